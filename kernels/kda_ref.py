@@ -1,0 +1,97 @@
+"""Kimi Delta Attention, torch reference (spec 2.1-2.3).
+
+Inputs are the raw projections; the ops apply the pieces K3 runs "in kernel": L2 norm of q and k
+(eps 1e-6 on the sum of squares), the gate (bounded sigmoid gate with `lower_bound`, or Kimi Linear's
+softplus gate when `lower_bound` is None), sigmoid(beta), scale. States are fp32 [S, H, K, V]
+(key-major, fla's default layout) in a pool indexed by `slots`, updated in place.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def kda_gate(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None) -> torch.Tensor:
+    """a [..., H, K] raw gate logits -> log-decay g [..., H, K] fp32 (g <= 0)."""
+    H, K = a.shape[-2:]
+    x = a.float() + dt_bias.float().view(H, K)
+    A = A_log.float()[:H].view(H, 1)
+    if lower_bound is None:
+        return -A.exp() * F.softplus(x)
+    return lower_bound * torch.sigmoid(A.exp() * x)
+
+
+def kda_decode(q, k, v, a, b, A_log, dt_bias, state, slots, scale: float, lower_bound: float | None) -> torch.Tensor:
+    """One recurrent step for a batch of sequences.
+
+    q, k, a [B, H, K]; v [B, H, V]; b [B, H] (beta logits); state [S, H, K, V] fp32; slots [B] int.
+    Returns o [B, H, V] fp32; state[slots] is advanced in place.
+    """
+    g = kda_gate(a, A_log, dt_bias, lower_bound)
+    beta = torch.sigmoid(b.float())
+    q, k, v = l2norm(q) * scale, l2norm(k), v.float()
+    idx = slots.long()
+    S = state[idx] * g.exp().unsqueeze(-1)  # decay rows
+    err = v - torch.einsum("bhk,bhkv->bhv", k, S)  # read with the decayed state
+    S = S + torch.einsum("bhk,bhv->bhkv", beta.unsqueeze(-1) * k, err)
+    o = torch.einsum("bhk,bhkv->bhv", q, S)  # read after the write
+    state[idx] = S
+    return o
+
+
+def _chunk_one(q, k, v, g, beta, S, chunk: int):
+    """One sequence, fp32, already normalised/gated. q,k,g [T,H,K], v [T,H,V], beta [T,H], S [H,K,V]."""
+    T, H, K = q.shape
+    V = v.shape[-1]
+    o = torch.empty(T, H, V, dtype=torch.float32, device=q.device)
+    for s in range(0, T, chunk):
+        e = min(s + chunk, T)
+        C = e - s
+        qc, kc, vc = q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1)  # [H,C,*]
+        bc = beta[s:e].transpose(0, 1)  # [H,C]
+        G = g[s:e].transpose(0, 1).cumsum(1)  # [H,C,K] cumulative log decay
+        diff = G.unsqueeze(2) - G.unsqueeze(1)  # [H,C(i),C(j),K] = G_i - G_j
+        lower = torch.tril(torch.ones(C, C, dtype=torch.bool, device=q.device), -1)
+        incl = torch.tril(torch.ones(C, C, dtype=torch.bool, device=q.device), 0)
+        # A[i,j] = beta_i sum_d k_i k_j exp(G_i - G_j), j < i (masked before exp: no overflow)
+        dk = torch.where(lower[None, :, :, None], diff, torch.full_like(diff, -float("inf"))).exp()
+        A = torch.einsum("hid,hjd,hijd->hij", kc, kc, dk) * bc.unsqueeze(-1)
+        # (I + A)^-1 by forward substitution
+        Tm = torch.linalg.solve_triangular(torch.eye(C, device=q.device) + A, torch.eye(C, device=q.device).expand(H, C, C),
+                                           upper=False, unitriangular=True)
+        w = Tm @ (bc.unsqueeze(-1) * (G.exp() * kc))  # [H,C,K]
+        u = Tm @ (bc.unsqueeze(-1) * vc)  # [H,C,V]
+        v_new = u - w @ S  # [H,C,V]
+        dq = torch.where(incl[None, :, :, None], diff, torch.full_like(diff, -float("inf"))).exp()
+        Aqk = torch.einsum("hid,hjd,hijd->hij", qc, kc, dq)
+        o[s:e] = ((qc * G.exp()) @ S + Aqk @ v_new).transpose(0, 1)
+        GC = G[:, -1:, :]  # [H,1,K]
+        S = S * GC.transpose(1, 2).exp() + ((GC - G).exp() * kc).transpose(1, 2) @ v_new
+    return o, S
+
+
+def kda_prefill(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, slots, scale: float,
+                lower_bound: float | None, chunk_size: int = 64) -> torch.Tensor:
+    """Chunked prefill for packed variable-length sequences.
+
+    q, k, a [N, H, K]; v [N, H, V]; b [N, H]; cu_seqlens [B+1] (token offsets); slots [B].
+    Sequence i covers tokens cu_seqlens[i]:cu_seqlens[i+1] and continues from state[slots[i]].
+    Returns o [N, H, V] fp32; states are advanced in place.
+    """
+    g = kda_gate(a, A_log, dt_bias, lower_bound)
+    beta = torch.sigmoid(b.float())
+    qn, kn, vf = l2norm(q) * scale, l2norm(k), v.float()
+    o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    cu = [int(x) for x in cu_seqlens]
+    for i, slot in enumerate(int(s) for s in slots):
+        s, e = cu[i], cu[i + 1]
+        if e == s:
+            continue
+        o[s:e], S = _chunk_one(qn[s:e], kn[s:e], vf[s:e], g[s:e], beta[s:e], state[slot], chunk_size)
+        state[slot] = S
+    return o
