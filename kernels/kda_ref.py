@@ -92,6 +92,6 @@ def kda_prefill(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, slots, scale: 
         s, e = cu[i], cu[i + 1]
         if e == s:
             continue
-        o[s:e], S = _chunk_one(qn[s:e], kn[s:e], vf[s:e], g[s:e], beta[s:e], state[slot], chunk_size)
+        o[s:e], S = _chunk_one(qn[s:e], kn[s:e], vf[s:e], g[s:e], beta[s:e], state[slot].clone(), chunk_size)
         state[slot] = S
     return o

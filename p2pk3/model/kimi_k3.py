@@ -1,0 +1,623 @@
+"""Kimi K3 (and Kimi Linear) text model, one readable file; module and parameter names mirror the
+checkpoint (`model.layers.N.self_attn.q_proj.weight`, ...). Math and sources: shared/spec
+kimi-k3-architecture.md (section numbers in the comments).
+
+The model is always run as a *stage*: a contiguous run of layers (possibly the whole model, possibly
+half a layer at each end) over a packed batch of token segments from many sessions. What flows between
+stages is a `Hop`: the running prefix sum, the AttnRes snapshot bank and, inside a layer whose experts
+are split over several stages, the partial latent-MoE sum (spec 4.3).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from p2pk3_kernels import ops
+
+from .cache import Segment, StageCache
+from .config import K3Config
+
+
+class ExpertNotHeld(RuntimeError):
+    """A token was routed to an expert that no stage of this layer holds."""
+
+
+# --------------------------------------------------------------------------------------------- basics
+class RMSNorm(nn.Module):
+    """fp32 statistics, cast back to the activation dtype, then times the weight (spec 1.4)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h.to(x.dtype) * self.weight).to(x.dtype)
+
+
+def linear(d_in: int, d_out: int) -> nn.Linear:
+    return nn.Linear(d_in, d_out, bias=False)
+
+
+def glu(g: torch.Tensor, u: torch.Tensor, cfg: K3Config) -> torch.Tensor:
+    """SiTU-GLU (K3, spec 5.3) or SiLU-GLU (Kimi Linear), fp32 math, activation dtype out."""
+    from p2pk3_kernels.mxfp4_moe_ref import glu_act
+    return glu_act(g, u, cfg.hidden_act, cfg.situ_beta, cfg.situ_linear_beta).to(g.dtype)
+
+
+class MLP(nn.Module):
+    """Dense layer-0 MLP and the (fused) shared experts: down(act(gate(x), up(x)))."""
+
+    def __init__(self, cfg: K3Config, width: int):
+        super().__init__()
+        self.cfg = cfg
+        self.gate_proj = linear(cfg.hidden_size, width)
+        self.up_proj = linear(cfg.hidden_size, width)
+        self.down_proj = linear(width, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(glu(self.gate_proj(x), self.up_proj(x), self.cfg))
+
+
+@dataclass
+class Batch:
+    """Everything the layers need to know about a packed batch of segments."""
+
+    segments: list[Segment]
+    cache: StageCache
+    device: torch.device
+    cu_seqlens: list[int] = field(init=False)
+    decode: bool = field(init=False)  # every segment is exactly one token
+
+    def __post_init__(self) -> None:
+        cu = [0]
+        for s in self.segments:
+            cu.append(cu[-1] + s.length)
+        self.cu_seqlens = cu
+        self.decode = all(s.length == 1 for s in self.segments)
+        self._memo: dict[str, torch.Tensor] = {}
+
+    def memo(self, key: str, fn) -> torch.Tensor:
+        if key not in self._memo:
+            self._memo[key] = fn()
+        return self._memo[key]
+
+    @property
+    def slots(self) -> torch.Tensor:
+        return self.memo("slots", lambda: self.cache.slots(self.segments, self.device))
+
+
+# ---------------------------------------------------------------------------------------- KDA (spec 2)
+class ShortConv(nn.Module):
+    """Causal depthwise conv (kernel 4, no bias, fp32 weight [C, 1, K]) + SiLU, with a cache of the last
+    K-1 pre-conv inputs per session. Computed in fp32."""
+
+    def __init__(self, channels: int, size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(channels, 1, size))
+        self.size = size
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, cfg: K3Config, layer_idx: int):
+        super().__init__()
+        self.cfg, self.layer_idx = cfg, layer_idx
+        D, H, K = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim
+        self.H, self.K = H, K
+        self.q_proj, self.k_proj, self.v_proj = linear(D, H * K), linear(D, H * K), linear(D, H * K)
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = (ShortConv(H * K, cfg.kda_conv_size) for _ in range(3))
+        self.f_a_proj = linear(D, cfg.kda_gate_low_rank)
+        self.f_b_proj = linear(cfg.kda_gate_low_rank, H * K)
+        self.A_log = nn.Parameter(torch.zeros(cfg.kda_a_log_len))  # only the first H entries are real
+        self.dt_bias = nn.Parameter(torch.zeros(H * K))
+        self.b_proj = linear(D, H)
+        if cfg.kda_full_rank_gate:
+            self.g_proj = linear(D, H * K)
+        else:  # Kimi Linear: low-rank output gate
+            self.g_a_proj = linear(D, cfg.kda_gate_low_rank)
+            self.g_b_proj = linear(cfg.kda_gate_low_rank, H * K)
+        self.o_norm = RMSNorm(K, cfg.rms_norm_eps)
+        self.o_proj = linear(H * K, D)
+
+    def _conv(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """x [N, 3C] (q|k|v pre-conv) -> SiLU(conv(x)) [N, 3C] fp32; advances the conv cache."""
+        w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0)[:, 0, :].float()  # [3C, Kc]
+        Kc = w.shape[1]
+        pool = batch.cache.conv_state[self.layer_idx]  # [S, 3C, Kc-1]
+        xf = x.float()
+        if batch.decode:
+            hist = pool[batch.slots]  # [B, 3C, Kc-1]
+            win = torch.cat([hist, xf.unsqueeze(-1)], -1)  # [B, 3C, Kc]
+            out = (win * w).sum(-1)
+            pool[batch.slots] = win[..., 1:]
+            return F.silu(out)
+        out = torch.empty_like(xf)
+        cu = batch.cu_seqlens
+        for i, seg in enumerate(batch.segments):
+            s, e = cu[i], cu[i + 1]
+            slot = int(batch.slots[i])
+            win = torch.cat([pool[slot], xf[s:e].T], -1)  # [3C, Kc-1+T]
+            out[s:e] = F.conv1d(win.unsqueeze(0), w.unsqueeze(1), groups=w.shape[0])[0].T
+            pool[slot] = win[:, -(Kc - 1):]
+        return F.silu(out)
+
+    def forward(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        N = x.shape[0]
+        H, K = self.H, self.K
+        qkv = self._conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1), batch).to(x.dtype)
+        q, k, v = (t.reshape(N, H, K) for t in qkv.split(H * K, -1))
+        a = self.f_b_proj(self.f_a_proj(x)).view(N, H, K)
+        b = self.b_proj(x).float()
+        state = batch.cache.kda_state[self.layer_idx]
+        A_log = self.A_log[:H]
+        args = (A_log, self.dt_bias, state)
+        scale, lb = K ** -0.5, self.cfg.kda_gate_lower_bound
+        if batch.decode:
+            o = ops.kda_decode(q, k, v, a, b, *args, batch.slots, scale, lb)
+        else:
+            o = ops.kda_prefill(q, k, v, a, b, *args, batch.cu_seqlens, batch.slots, scale, lb)
+        g = self.g_proj(x) if self.cfg.kda_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+        # per-head RMSNorm (fp32 weight) times sigmoid(output gate), fp32, then o_proj (spec 2.3)
+        h = o.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.o_norm.eps) * self.o_norm.weight.float()
+        h = h.reshape(N, H * K) * torch.sigmoid(g.float())
+        return self.o_proj(h.to(x.dtype))
+
+
+# ----------------------------------------------------------------------------------- gated MLA (spec 3)
+class GatedMLA(nn.Module):
+    mode = "auto"  # "auto": absorbed form for all-decode batches, naive otherwise; "naive" / "absorbed" force
+
+    def __init__(self, cfg: K3Config, layer_idx: int):
+        super().__init__()
+        self.cfg, self.layer_idx = cfg, layer_idx
+        D, H = cfg.hidden_size, cfg.num_attention_heads
+        self.H = H
+        if cfg.q_lora_rank:
+            self.q_a_proj = linear(D, cfg.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)  # default eps 1e-6, not rms_norm_eps (spec 3.1)
+            self.q_b_proj = linear(cfg.q_lora_rank, H * cfg.q_head_dim)
+        else:
+            self.q_proj = linear(D, H * cfg.q_head_dim)
+        self.kv_a_proj_with_mqa = linear(D, cfg.mla_cache_width)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
+        self.kv_b_proj = linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        if cfg.mla_use_output_gate:
+            self.g_proj = linear(D, H * cfg.v_head_dim)
+        self.o_proj = linear(H * cfg.v_head_dim, D)
+
+    def _wkv(self):
+        c = self.cfg
+        w = self.kv_b_proj.weight.view(self.H, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim:]  # W_UK [H,dn,R], W_UV [H,dv,R]
+
+    def forward(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        c = self.cfg
+        N, H, R, dn = x.shape[0], self.H, c.kv_lora_rank, c.qk_nope_head_dim
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if c.q_lora_rank else self.q_proj(x)
+        q = q.view(N, H, c.q_head_dim)
+        q_nope, q_pe = q[..., :dn], q[..., dn:]
+        kv = self.kv_a_proj_with_mqa(x)
+        latent = torch.cat([self.kv_a_layernorm(kv[:, :R]), kv[:, R:]], -1)  # [N, 576]: normed c ; raw k_pe
+        pool = batch.cache.mla_kv[self.layer_idx]
+        flat = pool.view(-1, pool.shape[-1])
+        rows = batch.memo("rows", lambda: batch.cache.token_rows(batch.segments, batch.device))
+        flat[rows] = latent.to(pool.dtype)
+        w_uk, w_uv = self._wkv()
+        scale = c.q_head_dim ** -0.5
+        if self.mode == "absorbed" or (self.mode == "auto" and batch.decode):
+            o = self._absorbed(q_nope, q_pe, w_uk, w_uv, pool, batch, scale)
+        else:
+            o = self._naive(q_nope, q_pe, w_uk, w_uv, flat, batch, scale)
+        o = o.reshape(N, H * c.v_head_dim)
+        if c.mla_use_output_gate:
+            o = (o.float() * torch.sigmoid(self.g_proj(x).float())).to(x.dtype)
+        return self.o_proj(o)
+
+    def _naive(self, q_nope, q_pe, w_uk, w_uv, flat, batch: Batch, scale):
+        """Expanded form (spec 3.1) per segment against the whole cached sequence, causal."""
+        R = self.cfg.kv_lora_rank
+        out = torch.empty(q_nope.shape[0], self.H, self.cfg.v_head_dim, dtype=q_nope.dtype, device=q_nope.device)
+        cu = batch.cu_seqlens
+        bs = batch.cache.block_size
+        for i, seg in enumerate(batch.segments):
+            s, e = cu[i], cu[i + 1]
+            blocks = batch.cache.sessions[seg.session].blocks
+            L = seg.start + seg.length
+            idx = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(L)], device=flat.device)
+            kv = flat[idx].to(q_nope.dtype)  # [L, 576]
+            ckv, k_pe = kv[:, :R], kv[:, R:]
+            k_nope = torch.einsum("lr,hdr->hld", ckv, w_uk)  # [H, L, dn]
+            v = torch.einsum("lr,hdr->hld", ckv, w_uv)  # [H, L, dv]
+            sc = (torch.einsum("thd,hld->htl", q_nope[s:e], k_nope).float()
+                  + torch.einsum("thd,ld->htl", q_pe[s:e], k_pe).float()) * scale
+            pos_q = torch.arange(seg.start, L, device=sc.device)
+            mask = torch.arange(L, device=sc.device)[None, :] > pos_q[:, None]
+            p = torch.softmax(sc.masked_fill(mask, -float("inf")), -1)
+            out[s:e] = torch.einsum("htl,hld->thd", p, v.float()).to(out.dtype)
+        return out
+
+    def _absorbed(self, q_nope, q_pe, w_uk, w_uv, pool, batch: Batch, scale):
+        """Weight-absorbed form over the 576-wide latent cache (spec 3.2)."""
+        q_lat = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)  # [N, H, R]
+        if batch.decode:
+            bt = batch.memo("bt", lambda: batch.cache.block_table(batch.segments, batch.device))
+            lens = batch.memo("lens", lambda: torch.tensor([s.start + 1 for s in batch.segments], dtype=torch.int32, device=batch.device))
+            z = ops.mla_decode(q_lat, q_pe, pool, bt, lens, scale)
+        else:  # absorbed prefill (tests): each token attends to its causal prefix
+            z = torch.empty(q_lat.shape, dtype=torch.float32, device=q_lat.device)
+            bt_all = batch.cache.block_table(batch.segments, batch.device)
+            for i, seg in enumerate(batch.segments):
+                for t in range(seg.length):
+                    n = batch.cu_seqlens[i] + t
+                    z[n] = ops.mla_decode(q_lat[n:n + 1], q_pe[n:n + 1], pool, bt_all[i:i + 1],
+                                          torch.tensor([seg.start + t + 1], dtype=torch.int32), scale)[0]
+        return torch.einsum("nhr,hdr->nhd", z.to(q_nope.dtype), w_uv)
+
+
+# -------------------------------------------------------------------------- Stable LatentMoE (spec 5)
+class Router(nn.Module):
+    def __init__(self, cfg: K3Config):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts))
+        self.top_k, self.renorm, self.scaling = cfg.num_experts_per_token, cfg.moe_renormalize, cfg.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 sigmoid scores; choose by score + bias (noaux_tc), weigh by the unbiased score (spec 5.1)."""
+        s = torch.sigmoid(x.float() @ self.weight.float().T)
+        ids = torch.topk(s + self.e_score_correction_bias.float(), self.top_k, dim=-1, sorted=True).indices
+        w = s.gather(-1, ids)
+        if self.renorm:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return ids, w * self.scaling
+
+
+class LatentMoE(nn.Module):
+    """Router on the full hidden state, experts in the latent width, RMSNorm of the combined latent,
+    up-projection, plus shared experts. Holds only the routed experts of this stage (`held`); `covered`
+    are the experts held by all stages that share this layer (a split layer)."""
+
+    def __init__(self, cfg: K3Config, layer_idx: int, held: list[int] | None = None, covered: list[int] | None = None):
+        super().__init__()
+        self.cfg, self.layer_idx = cfg, layer_idx
+        E, W, I = cfg.num_experts, cfg.expert_width, cfg.moe_intermediate_size
+        self.gate = Router(cfg)
+        if cfg.routed_expert_hidden_size:
+            self.routed_expert_down_proj = linear(cfg.hidden_size, W)
+            self.routed_expert_up_proj = linear(W, cfg.hidden_size)
+            if cfg.latent_moe_use_norm:
+                self.routed_expert_norm = RMSNorm(W, cfg.rms_norm_eps)
+        if cfg.num_shared_experts:
+            self.shared_experts = MLP(cfg, cfg.num_shared_experts * I)
+        held = list(range(E)) if held is None else sorted(set(held))
+        self.held, self._covered_ids = held, sorted(set(held) | set(covered or []))
+        self.register_buffer("g2l", torch.empty(E, dtype=torch.long), persistent=False)
+        self.register_buffer("covered", torch.empty(E, dtype=torch.bool), persistent=False)
+        self.init_maps()
+        n = len(held)
+        self.master = False  # training: float master experts + MXFP4 fake-quant (see enable_master_experts)
+        self.last_ids: torch.Tensor | None = None
+        if cfg.quant is not None:  # MXFP4, the checkpoint's own packed layout, stacked over held experts
+            for w, (o, i) in (("w1", (I, W)), ("w3", (I, W)), ("w2", (W, I))):
+                self.register_buffer(f"{w}_packed", torch.zeros(n, o, i // 2, dtype=torch.uint8))
+                self.register_buffer(f"{w}_scale", torch.full((n, o, i // 32), 127, dtype=torch.uint8))
+        else:
+            for w, (o, i) in (("w1", (I, W)), ("w3", (I, W)), ("w2", (W, I))):
+                self.register_buffer(f"{w}_weight", torch.zeros(n, o, i))
+
+    def init_maps(self) -> None:
+        """global expert id -> local index (-1: not held here); which experts the layer's stages cover."""
+        E = self.cfg.num_experts
+        g2l = torch.full((E,), -1, dtype=torch.long)
+        g2l[torch.tensor(self.held, dtype=torch.long)] = torch.arange(len(self.held))
+        cov = torch.zeros(E, dtype=torch.bool)
+        cov[torch.tensor(self._covered_ids, dtype=torch.long)] = True
+        self.g2l, self.covered = g2l.to(self.g2l.device), cov.to(self.covered.device)
+
+    def expert_state_names(self) -> dict[str, tuple[str, int, str]]:
+        """checkpoint name suffix (relative to this module) -> (buffer, local index, kind)."""
+        out = {}
+        kinds = ("weight_packed", "weight_scale") if self.cfg.quant is not None else ("weight",)
+        for li, e in enumerate(self.held):
+            for w in ("w1", "w2", "w3"):
+                for k in kinds:
+                    out[f"experts.{e}.{w}.{k}"] = (f"{w}_{k.split('_')[-1]}" if k != "weight" else f"{w}_weight", li, k)
+        return out
+
+    def enable_master_experts(self, init: dict[str, torch.Tensor] | None = None) -> None:
+        """Training: hold float master weights `w{1,2,3}_master` [E, out, in] as parameters; the forward
+        uses their MXFP4 fake-quantization with a straight-through gradient (quantization-aware training)."""
+        c = self.cfg
+        E, W, I = len(self.held), c.expert_width, c.moe_intermediate_size
+        for w, shape in (("w1", (E, I, W)), ("w3", (E, I, W)), ("w2", (E, W, I))):
+            t = init[w] if init else torch.randn(shape) / math.sqrt(shape[-1])
+            self.register_parameter(f"{w}_master", nn.Parameter(t.float().clone()))
+        self.master = True
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, w = self.gate(x)
+        if self.training:
+            self.last_ids = ids.detach()
+        bad = ~self.covered[ids]
+        if bad.any():
+            missing = sorted(set(ids[bad].tolist()))
+            raise ExpertNotHeld(f"layer {self.layer_idx}: tokens routed to experts {missing} that this stage "
+                                f"does not hold (holds {len(self.held)} of {self.cfg.num_experts})")
+        return ids, w
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the held routed experts, in the expert width, fp32 [N, W]."""
+        c = self.cfg
+        ids, w = self.route(x)
+        local = self.g2l[ids]
+        z = self.routed_expert_down_proj(x) if c.routed_expert_hidden_size else x
+        if self.master:
+            from p2pk3.quant.qat import fake_quant_mxfp4_ste
+            fq = fake_quant_mxfp4_ste if c.quant is not None else (lambda t: t)
+            return ops.dense_moe(z, fq(self.w1_master), fq(self.w3_master), fq(self.w2_master), local, w,
+                                 c.hidden_act, c.situ_beta, c.situ_linear_beta)
+        if c.quant is not None:
+            return ops.mxfp4_moe(z, self.w1_packed, self.w1_scale, self.w3_packed, self.w3_scale, self.w2_packed,
+                                 self.w2_scale, local, w, c.hidden_act, c.situ_beta, c.situ_linear_beta)
+        return ops.dense_moe(z, self.w1_weight, self.w3_weight, self.w2_weight, local, w, c.hidden_act,
+                             c.situ_beta, c.situ_linear_beta)
+
+    def finish(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        u = u.to(x.dtype)
+        if c.routed_expert_hidden_size:
+            if c.latent_moe_use_norm:
+                u = self.routed_expert_norm(u)  # "Stable": norm of the combined latent (spec 5.1 step 7)
+            u = self.routed_expert_up_proj(u)
+        if c.num_shared_experts:
+            u = u + self.shared_experts(x)
+        return u
+
+
+# ------------------------------------------------------------------------------ decoder layer (1.4, 4)
+class AttnResMix(nn.Module):
+    """The (norm, proj) pair of one Attention-Residual mix; w_eff = norm.weight * proj.weight (spec 4.2)."""
+
+    def __init__(self, owner: nn.Module, prefix: str, cfg: K3Config):
+        super().__init__()
+        setattr(owner, f"{prefix}_norm", RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
+        setattr(owner, f"{prefix}_proj", linear(cfg.hidden_size, 1))
+
+
+def attn_res(owner: nn.Module, prefix: str, bank: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    norm, proj = getattr(owner, f"{prefix}_norm"), getattr(owner, f"{prefix}_proj")
+    w = norm.weight.float() * proj.weight[0].float()
+    return ops.attnres_mix(bank, p, w, norm.eps)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: K3Config, i: int, parts: tuple[str, ...] = ("attn", "mlp"),
+                 experts: list[int] | None = None, covered: list[int] | None = None):
+        super().__init__()
+        self.cfg, self.layer_idx, self.parts = cfg, i, parts
+        if "attn" in parts:
+            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.self_attn = KimiDeltaAttention(cfg, i) if cfg.layer_types[i] == "kda" else GatedMLA(cfg, i)
+            if cfg.uses_attn_res:
+                AttnResMix(self, "self_attention_res", cfg)
+        if "mlp" in parts:
+            self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            if cfg.is_moe_layer(i):
+                self.block_sparse_moe = LatentMoE(cfg, i, experts, covered)
+            else:
+                self.mlp = MLP(cfg, cfg.intermediate_size)
+            if cfg.uses_attn_res:
+                AttnResMix(self, "mlp_res", cfg)
+
+    def attn_part(self, h: "Hop", batch: Batch) -> None:
+        c = self.cfg
+        if not c.uses_attn_res:
+            h.prefix = h.prefix + self.self_attn(self.input_layernorm(h.prefix), batch)
+            return
+        x = attn_res(self, "self_attention_res", h.bank, h.prefix) if h.bank.shape[0] else h.prefix
+        fresh = self.layer_idx % c.attn_res_block_size == 0
+        if fresh:  # snapshot the pre-mix running sum, start a new block
+            h.bank = torch.cat([h.bank, h.prefix.unsqueeze(0)], 0)
+        a = self.self_attn(self.input_layernorm(x), batch)
+        h.prefix = a if fresh else h.prefix + a
+
+    def mlp_part(self, h: "Hop", batch: Batch, finish: bool) -> None:
+        c = self.cfg
+        x = attn_res(self, "mlp_res", h.bank, h.prefix) if c.uses_attn_res else h.prefix
+        x = self.post_attention_layernorm(x)
+        if not c.is_moe_layer(self.layer_idx):
+            h.prefix = h.prefix + self.mlp(x)
+            return
+        moe = self.block_sparse_moe
+        u = moe.partial(x)
+        if h.partial is not None:
+            u = h.partial + u
+        if finish:
+            h.prefix = h.prefix + moe.finish(x, u)
+            h.partial = None
+        else:
+            h.partial = u
+
+
+@dataclass
+class Hop:
+    """What travels between stages (spec 4.3), for a packed batch of N tokens."""
+
+    prefix: torch.Tensor  # [N, D] running sum of the current AttnRes block (plain residual without AttnRes)
+    bank: torch.Tensor  # [R, N, D] block snapshots written so far (R = 0 without AttnRes)
+    partial: torch.Tensor | None = None  # [N, W] fp32 latent-MoE sum of a layer split across stages
+
+
+# ----------------------------------------------------------------------------------------------- stage
+@dataclass
+class StagePlan:
+    """Which part of the model one stage runs.
+
+    layers: contiguous layer indices. parts[i]: ("attn",), ("mlp",) or both (default both).
+    experts[i]: routed experts held for MoE layer i (default all); covered[i]: experts held by all the
+    stages that share layer i (default = experts[i]); finish[i]: whether this stage completes layer i's
+    MoE (False when the next stage adds more experts). embed/head: first/last stage duties.
+    """
+
+    layers: list[int]
+    embed: bool = False
+    head: bool = False
+    parts: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    experts: dict[int, list[int]] = field(default_factory=dict)
+    covered: dict[int, list[int]] = field(default_factory=dict)
+    finish: dict[int, bool] = field(default_factory=dict)
+
+    @classmethod
+    def whole(cls, cfg: K3Config) -> "StagePlan":
+        return cls(layers=list(range(cfg.num_hidden_layers)), embed=True, head=True)
+
+    @classmethod
+    def split_even(cls, cfg: K3Config, n: int) -> list["StagePlan"]:
+        L = cfg.num_hidden_layers
+        bounds = [round(k * L / n) for k in range(n + 1)]
+        return [cls(layers=list(range(bounds[k], bounds[k + 1])), embed=k == 0, head=k == n - 1) for k in range(n)]
+
+    def parts_of(self, i: int) -> tuple[str, ...]:
+        return self.parts.get(i, ("attn", "mlp"))
+
+
+class K3Stage(nn.Module):
+    """A contiguous piece of the model. `forward` runs one packed batch through it."""
+
+    def __init__(self, cfg: K3Config, plan: StagePlan):
+        super().__init__()
+        self.cfg, self.plan = cfg, plan
+        self.model = nn.Module()
+        if plan.embed:
+            self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.model.layers = nn.ModuleDict({
+            str(i): DecoderLayer(cfg, i, plan.parts_of(i), plan.experts.get(i), plan.covered.get(i))
+            for i in plan.layers
+        })
+        if plan.head:
+            self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            if cfg.uses_attn_res:
+                AttnResMix(self.model, "output_attn_res", cfg)
+            if not cfg.tie_word_embeddings:
+                self.lm_head = linear(cfg.hidden_size, cfg.vocab_size)
+
+    # ---------------------------------------------------------------- caches
+    def new_cache(self, max_sessions: int, max_tokens: int, block_size: int = 64, device=None) -> StageCache:
+        c = self.cfg
+        kda = [i for i in self.plan.layers if "attn" in self.plan.parts_of(i) and c.layer_types[i] == "kda"]
+        mla = [i for i in self.plan.layers if "attn" in self.plan.parts_of(i) and c.layer_types[i] == "mla"]
+        return StageCache(kda_layers=kda, mla_layers=mla, kda_heads=c.kda_num_heads, kda_head_dim=c.kda_head_dim,
+                          conv_channels=3 * c.kda_num_heads * c.kda_head_dim, conv_size=c.kda_conv_size,
+                          mla_width=c.mla_cache_width, max_sessions=max_sessions, max_tokens=max_tokens,
+                          block_size=block_size, dtype=self.act_dtype, device=device or self.device)
+
+    act_dtype: torch.dtype = torch.float32  # set by load_weights
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    # ---------------------------------------------------------------- run
+    def forward(self, segments: list[Segment], cache: StageCache, *, tokens: torch.Tensor | None = None,
+                hop: Hop | None = None, logits: str = "last") -> Hop | torch.Tensor:
+        """Run a packed batch. First stage: `tokens` [N]; others: `hop`. Last stage returns logits
+        (fp32; "last": one row per segment, "all": one per token, "none": the final hidden state),
+        others the Hop for the next stage. The cache is updated only if the whole batch succeeds
+        its admission check (`reserve`). Call under torch.inference_mode() when serving; without it the
+        forward is differentiable (training uses the same path with a throw-away cache)."""
+        cache.reserve(segments)
+        batch = Batch(segments, cache, self.device)
+        if self.plan.embed:
+            x = self.model.embed_tokens(tokens.to(self.device))
+            R0 = 0
+            hop = Hop(prefix=x, bank=x.new_zeros(R0, *x.shape))
+        assert hop is not None, "a stage without the embedding needs the incoming hop"
+        for i in self.plan.layers:
+            layer = self.model.layers[str(i)]
+            parts = self.plan.parts_of(i)
+            if "attn" in parts:
+                layer.attn_part(hop, batch)
+            if "mlp" in parts:
+                layer.mlp_part(hop, batch, self.plan.finish.get(i, True))
+        cache.commit(segments)
+        if not self.plan.head:
+            return hop
+        return self.head(hop, batch.cu_seqlens, logits)
+
+    def head(self, hop: Hop, cu_seqlens: list[int], which: str = "last") -> torch.Tensor:
+        m = self.model
+        h = attn_res(m, "output_attn_res", hop.bank, hop.prefix) if self.cfg.uses_attn_res else hop.prefix
+        if which == "last":
+            h = h[torch.tensor([e - 1 for e in cu_seqlens[1:]], device=h.device)]
+        h = m.norm(h)
+        if which == "none":
+            return h
+        w = m.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+        return (h @ w.T).float()
+
+    # ---------------------------------------------------------------- weights
+    def expected_tensors(self) -> dict:
+        from .weights import embed_tensors, head_tensors, layer_tensors
+        t = embed_tensors(self.cfg) if self.plan.embed else {}
+        for i in self.plan.layers:
+            t.update(layer_tensors(self.cfg, i, self.plan.experts.get(i), self.plan.parts_of(i)))
+        if self.plan.head:
+            t.update(head_tensors(self.cfg))
+        return t
+
+    def load_weights(self, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> None:
+        """Load canonical checkpoint names (see weights.py). Float weights are cast to `dtype`, except the
+        ones K3 keeps in fp32 (conv, A_log, dt_bias, o_norm, correction bias); experts stay packed."""
+        expected = self.expected_tensors()
+        missing = sorted(set(expected) - set(state))
+        if missing:
+            raise KeyError(f"missing tensors for this stage: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        params = dict(self.named_parameters())
+        moe_maps = {}
+        for i in self.plan.layers:
+            layer = self.model.layers[str(i)]
+            if hasattr(layer, "block_sparse_moe"):
+                moe_maps[f"model.layers.{i}.block_sparse_moe."] = layer.block_sparse_moe
+        for name in expected:
+            t = state[name]
+            if name in params:
+                p = params[name]
+                keep32 = expected[name].dtype == torch.float32
+                with torch.no_grad():
+                    if tuple(p.shape) != tuple(t.shape):
+                        raise ValueError(f"{name}: shape {tuple(t.shape)} != expected {tuple(p.shape)}")
+                    p.data = t.to(torch.float32 if keep32 else dtype).to(p.device).clone()
+                continue
+            for pre, moe in moe_maps.items():
+                if name.startswith(pre + "experts."):
+                    buf, li, kind = moe.expert_state_names()[name[len(pre):]]
+                    target = getattr(moe, buf)
+                    with torch.no_grad():
+                        target[li].copy_(t if kind != "weight" else t.to(target.dtype))
+                    break
+            else:
+                raise KeyError(f"{name}: no parameter of this stage takes it")
+        self.act_dtype = dtype
+        for moe in moe_maps.values():
+            if moe.cfg.quant is None:
+                for w in ("w1", "w2", "w3"):
+                    setattr(moe, f"{w}_weight", getattr(moe, f"{w}_weight").to(dtype))
+
+
+def build_stage(cfg: K3Config, plan: StagePlan, state: dict[str, torch.Tensor], dtype=torch.float32,
+                device="cpu") -> K3Stage:
+    with torch.device("meta"):
+        stage = K3Stage(cfg, plan)
+    stage = stage.to_empty(device=device)
+    for m in stage.modules():
+        if isinstance(m, LatentMoE):
+            m.init_maps()  # non-persistent buffers come back empty from the meta device
+    stage.load_weights(state, dtype)
+    return stage
