@@ -1,4 +1,4 @@
-"""Checkpoint writer (tools/make_tiny_checkpoint.py) and lazy loader (p2pk3.checkpoint.loader)."""
+"""Checkpoint writer (p2pk3.checkpoint.tiny) and lazy loader (p2pk3.checkpoint.loader)."""
 from __future__ import annotations
 
 import json
@@ -19,7 +19,7 @@ from p2pk3.checkpoint.loader import (  # noqa: E402
 from p2pk3.model.config import TINY_K3, TINY_KIMI_LINEAR, K3Config  # noqa: E402
 from p2pk3.model.weights import all_tensors, embed_tensors, head_tensors, layer_tensors  # noqa: E402
 from p2pk3.quant.mxfp4 import dequantize_mxfp4  # noqa: E402
-from tools.make_tiny_checkpoint import main as cli_main, random_state_dict, write_checkpoint  # noqa: E402
+from p2pk3.checkpoint.tiny import main as cli_main, random_state_dict, write_checkpoint  # noqa: E402
 
 INDEX = "model.safetensors.index.json"
 K3_L12 = TINY_K3.replace(num_hidden_layers=12, full_attn_layers=(3, 7, 10, 11))

@@ -44,7 +44,8 @@ class StageCache:
                  block_size: int = 64, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         self.max_sessions = max_sessions
         self.block_size = block_size
-        self.num_blocks = (max_tokens + block_size - 1) // block_size if mla_layers else 0
+        # max_tokens across all sessions, plus one partly filled block per session
+        self.num_blocks = (max_tokens + block_size - 1) // block_size + max_sessions if mla_layers else 0
         K = kda_head_dim
         # KDA: state pool [S, H, K, V] fp32 and the last (conv_size - 1) pre-conv inputs of q, k, v.
         self.kda_state = {i: torch.zeros(max_sessions, kda_heads, K, K, dtype=torch.float32, device=device) for i in kda_layers}
