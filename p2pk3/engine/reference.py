@@ -13,7 +13,7 @@ from p2pk3.model.cache import Segment
 from p2pk3.model.config import K3Config
 from p2pk3.model.kimi_k3 import K3Stage, StagePlan, build_stage
 
-from .sampling import Sampler, SamplingParams
+from .sampling import SamplingParams, fresh_seed, sample_at
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -102,7 +102,8 @@ class Pipeline:
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         ids = [f"gen{i}" for i in range(len(prompts))]
-        samplers = [Sampler(p) for p in params]
+        params = [p if p.seed is not None or p.temperature == 0 else
+                  SamplingParams(**{**p.__dict__, "seed": fresh_seed()}) for p in params]
         outs: list[list[int]] = [[] for _ in prompts]
         for s in ids:
             self.open(s)
@@ -125,7 +126,7 @@ class Pipeline:
             while live:
                 nxt = []
                 for i in live:
-                    tok = samplers[i].sample(last[i])
+                    tok = sample_at(last[i], params[i], len(prompts[i]) + len(outs[i]))
                     outs[i].append(tok)
                     if tok in params[i].stop_ids or len(outs[i]) >= params[i].max_tokens:
                         continue

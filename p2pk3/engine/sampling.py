@@ -36,34 +36,31 @@ class SamplingParams:
                    stop_ids=tuple(d.get("stop_ids", ())))
 
 
-@dataclass
-class Sampler:
-    """Sampling state of one session (its generator advances once per sampled token, so a replay with
-    the same seed and history reproduces the same tokens)."""
+def sample_at(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
+    """Sample the token at `position` of a session. Deterministic in (seed, position): the random stream
+    is derived from both, so a replayed session, or the last stage of a ring, draws the same token as the
+    single-process engine. Greedy when temperature == 0."""
+    p = params
+    x = logits.detach().float().cpu()
+    if p.temperature == 0:
+        return int(torch.argmax(x))
+    x = x / p.temperature
+    if p.top_k and p.top_k < x.numel():
+        kth = torch.topk(x, p.top_k).values[-1]
+        x = x.masked_fill(x < kth, -float("inf"))
+    probs = torch.softmax(x, -1)
+    if p.top_p < 1.0:
+        sp, si = torch.sort(probs, descending=True)
+        keep = sp.cumsum(0) - sp < p.top_p  # smallest prefix whose mass reaches top_p
+        mask = torch.zeros_like(probs, dtype=torch.bool)
+        mask[si[keep]] = True
+        probs = torch.where(mask, probs, torch.zeros_like(probs))
+        probs = probs / probs.sum()
+    g = torch.Generator()
+    seed = p.seed if p.seed is not None else 0
+    g.manual_seed((seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) % (1 << 63))
+    return int(torch.multinomial(probs, 1, generator=g))
 
-    params: SamplingParams
-    generator: torch.Generator = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.generator = torch.Generator()
-        self.generator.manual_seed(self.params.seed if self.params.seed is not None else torch.seed())
-
-    def sample(self, logits: torch.Tensor) -> int:
-        """logits [V] (any float dtype, any device) -> token id."""
-        p = self.params
-        x = logits.detach().float().cpu()
-        if p.temperature == 0:
-            return int(torch.argmax(x))
-        x = x / p.temperature
-        if p.top_k and p.top_k < x.numel():
-            kth = torch.topk(x, p.top_k).values[-1]
-            x = x.masked_fill(x < kth, -float("inf"))
-        probs = torch.softmax(x, -1)
-        if p.top_p < 1.0:
-            sp, si = torch.sort(probs, descending=True)
-            keep = sp.cumsum(0) - sp < p.top_p  # smallest prefix whose mass reaches top_p
-            mask = torch.zeros_like(probs, dtype=torch.bool)
-            mask[si[keep]] = True
-            probs = torch.where(mask, probs, torch.zeros_like(probs))
-            probs = probs / probs.sum()
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+def fresh_seed() -> int:
+    return int(torch.randint(0, 1 << 62, (1,)))
