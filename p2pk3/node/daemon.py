@@ -74,9 +74,8 @@ class NodeDaemon:
         loop = asyncio.get_running_loop()
         cfg = K3Config.from_pretrained(self.model_dir)
         self.cfg = cfg
-        errs = self.topo.validate(cfg)
-        if errs:
-            raise ValueError("topology does not fit the model:\n  " + "\n  ".join(errs))
+        for w in self.topo.validate(cfg):  # raises TopologyError naming every problem
+            log.warning("topology: %s", w)
         tp = self.topo.stage_plan(self.slot, cfg)
         self.tplan = tp
         plan = model_plan(tp, cfg)

@@ -1,0 +1,247 @@
+"""The daemon ring: distributed equals local, concurrent sessions, bad peers and bad input.
+
+Daemons run in this process (one asyncio loop, real authenticated TCP over loopback, each stage in its
+own worker thread); one test starts real `p2pk3 node` processes through `p2pk3 score --nodes`."""
+from __future__ import annotations
+
+import asyncio
+import random
+import secrets
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from p2pk3.checkpoint.tiny import write_checkpoint
+from p2pk3.engine.reference import Pipeline
+from p2pk3.engine.sampling import SamplingParams
+from p2pk3.model.config import TINY_K3
+from p2pk3.node.client import Client, RequestError
+from p2pk3.node.daemon import NodeDaemon
+from p2pk3.node.local import free_ports
+from p2pk3.topology import Topology, even_split
+from p2pk3.transport.connection import AuthenticationError, open_connection
+from p2pk3.transport.frames import Frame, forward_frame
+
+TOKS = [5, 17, 300, 42, 42, 7, 99, 123, 511, 0, 1, 2, 3, 250, 260, 270, 280, 14, 15]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny-k3-ring")
+    write_checkpoint(d, TINY_K3, seed=0, shards=3)
+    return d
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    return Pipeline.load(ckpt, 1, max_sessions=16, max_tokens=4096, block_size=8)
+
+
+def topo_even(ckpt, n):
+    ports = free_ports(n)
+    t = even_split(TINY_K3, n, host="127.0.0.1", base_port=ports[0], model_path=str(ckpt))
+    for s, p in zip(t.slots, ports):
+        s.port = p
+    return t
+
+
+def topo_split(ckpt):
+    """3 slots; layer 3's experts split over s1 and s2 (s1 runs its attention)."""
+    ports = free_ports(3)
+    E = TINY_K3.num_experts
+    d = {"cluster": {"name": "split"}, "model": {"path": str(ckpt)},
+         "slots": [{"id": "s0", "host": "127.0.0.1", "port": ports[0], "gpu_memory_gb": 2, "layers": [0, 2]},
+                   {"id": "s1", "host": "127.0.0.1", "port": ports[1], "gpu_memory_gb": 2, "layers": [3, 3],
+                    "experts": {"3": f"0-{E // 2 - 1}"}},
+                   {"id": "s2", "host": "127.0.0.1", "port": ports[2], "gpu_memory_gb": 2, "layers": [3, 5],
+                    "experts": {"3": f"{E // 2}-{E - 1}"}}]}
+    return Topology.from_dict(d)
+
+
+class Ring:
+    def __init__(self, topo, ckpt, **kw):
+        self.topo, self.ckpt, self.kw = topo, ckpt, kw
+        self.secret = secrets.token_bytes(32)
+        self.daemons = []
+
+    async def __aenter__(self):
+        for s in self.topo.active:
+            d = NodeDaemon(self.topo, s.id, model_dir=self.ckpt, secret=self.secret, **self.kw)
+            await d.start()
+            self.daemons.append(d)
+        return self
+
+    async def __aexit__(self, *exc):
+        for d in self.daemons:
+            await d.stop()
+
+    @property
+    def entry(self):
+        return self.daemons[0]
+
+    async def client(self, secret=None):
+        return await Client.connect("127.0.0.1", self.entry.port, secret or self.secret)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 240))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, "split"])
+def test_ring_logits_equal_single_process(ckpt, reference, n):
+    topo = topo_split(ckpt) if n == "split" else topo_even(ckpt, n)
+    want_prefill = reference.score(TOKS).numpy()
+    want_decode = reference.score(TOKS[:8], incremental=True).numpy()
+
+    async def go():
+        async with Ring(topo, ckpt) as ring:
+            c = await ring.client()
+            a = await c.generate(TOKS, SamplingParams(max_tokens=0), logits=True)
+            b = await c.generate(TOKS[:8], SamplingParams(max_tokens=0), logits=True, incremental=True)
+            c.close()
+            return a.logits, b.logits
+
+    got_prefill, got_decode = run(go())
+    assert got_prefill.shape == want_prefill.shape and got_decode.shape == want_decode.shape
+    assert np.abs(got_prefill - want_prefill).max() <= 1e-4
+    assert np.abs(got_decode - want_decode).max() <= 1e-4
+
+
+@pytest.mark.parametrize("n", [2, "split"])
+def test_concurrent_greedy_sessions_match_single_process(ckpt, reference, n):
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(2, 40))] for _ in range(8)]
+    lens = [rng.randrange(3, 12) for _ in range(8)]
+    want = [reference.generate([p], SamplingParams(max_tokens=m))[0] for p, m in zip(prompts, lens)]
+    topo = topo_split(ckpt) if n == "split" else topo_even(ckpt, n)
+
+    async def go():
+        async with Ring(topo, ckpt, prefill_chunk=8) as ring:
+            async def one(i):
+                await asyncio.sleep(0.05 * i)  # started at different times
+                c = await ring.client()
+                try:
+                    return (await c.generate(prompts[i], SamplingParams(max_tokens=lens[i]))).tokens
+                finally:
+                    c.close()
+            outs = await asyncio.gather(*(one(i) for i in range(8)))
+            sessions = [len(d.runner.cache.sessions) for d in ring.daemons]
+            await asyncio.sleep(0.3)  # frees travel the ring
+            sessions = [len(d.runner.cache.sessions) for d in ring.daemons]
+            return outs, sessions
+
+    outs, sessions = run(go())
+    assert outs == want
+    assert sessions == [0] * len(sessions), "session caches must be freed when sessions end"
+
+
+def test_seeded_sampling_through_ring_matches_local(ckpt, reference):
+    p = SamplingParams(temperature=1.2, top_p=0.9, top_k=50, seed=1234, max_tokens=10)
+    want = reference.generate([TOKS[:6]], p)[0]
+
+    async def go():
+        async with Ring(topo_even(ckpt, 2), ckpt) as ring:
+            c = await ring.client()
+            r = await c.generate(TOKS[:6], p)
+            c.close()
+            return r.tokens
+
+    assert run(go()) == want
+
+
+def test_wrong_secret_bad_frames_and_unknown_session_leave_the_ring_serving(ckpt, reference, caplog):
+    want = reference.generate([TOKS[:5]], SamplingParams(max_tokens=4))[0]
+
+    async def go():
+        async with Ring(topo_even(ckpt, 2), ckpt) as ring:
+            c = await ring.client()
+            task = asyncio.create_task(c.generate(TOKS[:5], SamplingParams(max_tokens=4)))
+            # 1. wrong secret: refused at the handshake
+            with pytest.raises((AuthenticationError, ConnectionError, OSError)):
+                bad = await open_connection("127.0.0.1", ring.entry.port, b"not-the-cluster-secret-0123456789", "intruder")
+                await bad.send(Frame.make("ping", id=1, t_ns=0))
+                await bad.recv()
+            # 2. a forward frame for an unknown session sent to the second stage
+            s1 = ring.daemons[1]
+            peer = await open_connection("127.0.0.1", s1.port, ring.secret, "peer")
+            D = TINY_K3.hidden_size
+            f = forward_frame([{"session": "ghost", "epoch": 0, "start_pos": 5, "n_tokens": 1}],
+                              np.zeros((1, D), np.float32), np.zeros((2, 1, D), np.float32), layer=3)
+            await peer.send(f)
+            # 3. garbage bytes (bad magic) and 4. an oversized length prefix on raw sockets
+            for payload in (b"GARBAGE!" * 8, b"P2K3\x01\x00" + (2**31).to_bytes(4, "little") + (2**62).to_bytes(8, "little")):
+                r, w = await asyncio.open_connection("127.0.0.1", s1.port)
+                w.write(payload)
+                await w.drain()
+                try:
+                    await asyncio.wait_for(r.read(1024), 3)
+                except (ConnectionError, asyncio.TimeoutError):
+                    pass
+                w.close()
+            # 5. a malformed forward (prefix shape does not match its segments) on an authenticated connection
+            await peer.send(Frame.make("forward", [("prefix", np.zeros((3, D), np.float32))],
+                                       segments=[{"session": "x", "epoch": 0, "start_pos": 0, "n_tokens": 1}], layer=3))
+            with pytest.raises(Exception):
+                while True:
+                    fr = await asyncio.wait_for(peer.recv(), 5)
+                    if fr.kind == "error":
+                        assert "prefix shape" in fr.header["message"]
+                        raise RuntimeError("closed with reason")
+            first = (await task).tokens
+            # the ring still serves a new session after all this
+            second = (await c.generate(TOKS[:5], SamplingParams(max_tokens=4))).tokens
+            c.close()
+            return first, second, ring.daemons[1].stats["errors"]
+
+    with caplog.at_level("WARNING"):
+        first, second, errors = run(go())
+    assert first == want and second == want
+    assert errors >= 2
+    text = caplog.text
+    assert "ghost" in text  # unknown session reported with its id
+    assert "prefix shape" in text
+
+
+def test_busy_when_sessions_run_out(ckpt):
+    async def go():
+        async with Ring(topo_even(ckpt, 2), ckpt, max_sessions=2) as ring:
+            cs = [await ring.client() for _ in range(3)]
+            long = [asyncio.create_task(cs[i].generate(TOKS, SamplingParams(max_tokens=30))) for i in range(2)]
+            await asyncio.sleep(0.05)
+            with pytest.raises(RequestError, match="busy"):
+                await cs[2].generate(TOKS[:3], SamplingParams(max_tokens=2))
+            outs = await asyncio.gather(*long)
+            for c in cs:
+                c.close()
+            return outs
+
+    outs = run(go())
+    assert all(len(o.tokens) == 30 for o in outs)
+
+
+def test_bad_request_is_answered_clearly(ckpt):
+    async def go():
+        async with Ring(topo_even(ckpt, 1), ckpt) as ring:
+            c = await ring.client()
+            with pytest.raises(RequestError, match="bad_request: prompt must be"):
+                await c.generate([TINY_K3.vocab_size + 5], SamplingParams(max_tokens=2))
+            ok = await c.generate([1, 2, 3], SamplingParams(max_tokens=2))
+            c.close()
+            return ok.tokens
+
+    assert len(run(go())) == 2
+
+
+def test_cli_score_through_local_ring_processes(ckpt, reference, tmp_path):
+    toks = ",".join(map(str, TOKS[:10]))
+    out = subprocess.run([sys.executable, "-m", "p2pk3.cli", "score", "--model", str(ckpt), "--tokens", toks,
+                          "--nodes", "2", "--dump-logits", str(tmp_path / "l.npy")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = np.load(tmp_path / "l.npy")
+    want = reference.score(TOKS[:10]).numpy()
+    assert np.abs(got - want).max() <= 1e-4
+    assert "perplexity" in out.stdout
