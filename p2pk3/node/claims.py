@@ -326,6 +326,7 @@ def handle_claim(table: ClaimTable, frame: Frame, *, peer_id: str | None = None)
 
 
 Ask = Callable[[str, Frame], Awaitable[Frame | None]]
+_REFUSAL_RANK = {"held": 0, "competing": 1, "forbidden": 2, "stale": 3}  # the most telling refusal is reported
 
 
 async def negotiate_claim(table: ClaimTable, slot: str, peers: Iterable[str], ask: Ask, *,
@@ -350,6 +351,7 @@ async def negotiate_claim(table: ClaimTable, slot: str, peers: Iterable[str], as
 
         replies = await asyncio.gather(*(one(p) for p in peers))
         refusal: str | None = None
+        best = 99
         stale_only = True
         for p, r in zip(peers, replies):
             if r is None:
@@ -360,7 +362,9 @@ async def negotiate_claim(table: ClaimTable, slot: str, peers: Iterable[str], as
             if not h.get("granted"):
                 hold = h.get("holder") if isinstance(h.get("holder"), dict) else None
                 table.learn(slot, hold)
-                refusal = refusal or f"{h.get('reason')} (refused by {p})"
+                rank = _REFUSAL_RANK.get(str(h.get("code")), 9)
+                if refusal is None or rank < best:
+                    refusal, best = f"{h.get('reason')} (refused by {p})", rank
                 if h.get("code") != "stale":
                     stale_only = False
         if refusal is None:

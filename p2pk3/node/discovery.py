@@ -27,7 +27,7 @@ import random
 import socket
 import struct
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Mapping
 
 import msgpack

@@ -1,0 +1,214 @@
+"""Frame encoding/decoding: zero-copy round trips, limits before allocation, malformed input."""
+from __future__ import annotations
+
+import tracemalloc
+
+import msgpack
+import numpy as np
+import pytest
+
+from p2pk3.transport import frames as F
+from p2pk3.transport.frames import Frame, FrameDecoder, ProtocolError
+
+
+def _feed_in_pieces(dec: FrameDecoder, data: bytes, piece: int) -> list[Frame]:
+    out = []
+    for i in range(0, len(data), piece):
+        out += dec.feed(data[i:i + piece])
+    return out
+
+
+def test_round_trip_several_dtypes_zero_copy_buffers():
+    rng = np.random.default_rng(0)
+    f32 = rng.standard_normal((3, 5)).astype(np.float32)
+    i64 = np.arange(7, dtype=np.int64)
+    f16 = rng.standard_normal(9).astype(np.float16)
+    bf16 = bytearray(rng.integers(0, 255, 2 * 4 * 6, dtype=np.uint8).tobytes())  # raw bf16 bits
+    u8 = np.frombuffer(b"\x01\x02\x03", dtype=np.uint8)
+    frame = Frame.make("x", {"a": f32, "b": i64, "c": f16, "d": ("bfloat16", (4, 6), bf16), "e": u8,
+                             "empty": np.zeros((0, 4), np.float32)}, session="s1", pos=[1, 2])
+    chunks = F.encode(frame)
+    # the tensor data is passed through, not copied: the chunks reference the caller's memory
+    assert any(isinstance(c, memoryview) and c.obj is bf16 for c in chunks)
+    assert any(isinstance(c, memoryview) and np.shares_memory(np.frombuffer(c, np.uint8), f32) for c in chunks)
+    data = b"".join(bytes(c) for c in chunks)
+    for piece in (1, 7, 100, len(data)):
+        (g,) = _feed_in_pieces(FrameDecoder(staging_size=64), data, piece)
+        assert g.kind == "x" and g.header["session"] == "s1" and g.header["pos"] == [1, 2]
+        np.testing.assert_array_equal(g.array("a"), f32)
+        np.testing.assert_array_equal(g.array("b"), i64)
+        np.testing.assert_array_equal(g.array("c"), f16)
+        assert bytes(g.buffer("d")) == bytes(bf16) and g.array("d").dtype == np.uint16 and g.array("d").shape == (4, 6)
+        assert bytes(g.buffer("e")) == b"\x01\x02\x03"
+        assert g.array("empty").shape == (0, 4)
+        # received tensors are views into the one payload buffer
+        assert all(b.obj is g.payload.obj for b in g.buffers)
+        assert all(d["offset"] % F.ALIGN == 0 for d in g.tensors)
+
+
+def test_several_frames_in_one_stream_and_checksum():
+    fs = [Frame.make("ping", id=i) for i in range(3)] + [Frame.make("t", {"x": np.arange(100, dtype=np.int32)})]
+    data = b"".join(F.encode_bytes(f, checksum=(i % 2 == 0)) for i, f in enumerate(fs))
+    got = FrameDecoder().feed(data)
+    assert [g.kind for g in got] == ["ping", "ping", "ping", "t"]
+    assert [g.header.get("id") for g in got[:3]] == [0, 1, 2]
+    np.testing.assert_array_equal(got[3].array("x"), np.arange(100))
+
+
+def test_large_header_grows_staging():
+    big = {"kind": "forward", "segments": [{"session": f"s{i}", "epoch": 0, "start_pos": i, "n_tokens": 1}
+                                           for i in range(5000)]}
+    data = F.encode_bytes(Frame(big))
+    assert len(data) > 64 << 10
+    (g,) = _feed_in_pieces(FrameDecoder(staging_size=1024), data, 4096)
+    assert len(g.header["segments"]) == 5000
+
+
+def test_checksum_detects_corruption():
+    data = bytearray(F.encode_bytes(Frame.make("t", {"x": np.arange(10, dtype=np.int64)}), checksum=True))
+    data[-10] ^= 0x40  # a payload byte
+    with pytest.raises(ProtocolError, match="checksum mismatch"):
+        FrameDecoder().feed(bytes(data))
+
+
+def _prefix(magic=F.MAGIC, version=F.VERSION, flags=0, hlen=10, plen=0) -> bytes:
+    return F.PREFIX.pack(magic, version, flags, hlen, plen)
+
+
+@pytest.mark.parametrize("prefix,msg", [
+    (_prefix(magic=b"HTTP"), "bad magic"),
+    (_prefix(version=9), "unknown frame version 9"),
+    (_prefix(flags=0x80), "unknown frame flags"),
+    (_prefix(hlen=0), "empty frame header"),
+    (_prefix(hlen=F.MAX_HEADER_LEN + 1), "exceeds the limit of 1048576 bytes"),
+    (_prefix(plen=(4 << 30) + 1), "exceeds the limit of 4294967296 bytes"),
+    (_prefix(plen=2 ** 63), "exceeds the limit"),
+])
+def test_prefix_limits(prefix, msg):
+    dec = FrameDecoder()
+    with pytest.raises(ProtocolError, match=msg):
+        dec.feed(prefix)
+    with pytest.raises(ProtocolError):  # the decoder stays dead
+        dec.get_buffer()
+
+
+def test_absurd_lengths_do_not_allocate():
+    allocs = []
+    dec = FrameDecoder(alloc=lambda n: allocs.append(n) or bytearray(n))
+    tracemalloc.start()
+    try:
+        for plen in (2 ** 64 - 1, 2 ** 40, (4 << 30) + 1):
+            d = FrameDecoder(alloc=lambda n: allocs.append(n) or bytearray(n))
+            with pytest.raises(ProtocolError):
+                d.feed(_prefix(plen=plen))
+        with pytest.raises(ProtocolError):
+            dec.feed(_prefix(hlen=2 ** 32 - 1))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert allocs == []
+    assert peak < 4 << 20
+
+
+def test_configurable_max_payload():
+    data = F.encode_bytes(Frame.make("t", {"x": np.zeros(100, np.uint8)}))
+    with pytest.raises(ProtocolError, match="payload of 100 bytes exceeds the limit of 50"):
+        FrameDecoder(max_payload=50).feed(data)
+    assert len(FrameDecoder(max_payload=100).feed(data)) == 1
+
+
+def _raw(header: dict | bytes, payload: bytes = b"") -> bytes:
+    hb = header if isinstance(header, bytes) else msgpack.packb(header, use_bin_type=True)
+    return _prefix(hlen=len(hb), plen=len(payload)) + hb + payload
+
+
+def _td(**kw):
+    d = {"name": "x", "dtype": "float32", "shape": [2], "offset": 0, "nbytes": 8}
+    d.update(kw)
+    return d
+
+
+@pytest.mark.parametrize("data,msg", [
+    (_raw(b"\xc1\xc1\xc1"), "not valid msgpack"),
+    (_raw([1, 2]), "expected a map"),
+    (_raw({"no": "kind"}), "no string 'kind'"),
+    (_raw({"kind": 5}), "no string 'kind'"),
+    (_raw({1: 2, "kind": "x"}), "not allowed for map key"),
+    (_raw(msgpack.packb({"kind": "x", "e": msgpack.ExtType(5, b"zz")})), "extension type 5"),
+    (_raw({"kind": "x", "tensors": "nope"}), "'tensors' must be a list"),
+    (_raw({"kind": "x", "tensors": [_td(dtype="complex64")]}, bytes(8)), "unknown dtype 'complex64'"),
+    (_raw({"kind": "x", "tensors": [_td(nbytes=12)]}, bytes(12)), "nbytes 12 != prod"),
+    (_raw({"kind": "x", "tensors": [_td(offset=4)]}, bytes(8)), "outside the 8-byte payload"),
+    (_raw({"kind": "x", "tensors": [_td(shape=[-2])]}, bytes(8)), "bad shape"),
+    (_raw({"kind": "x", "tensors": [_td(), _td()]}, bytes(8)), "duplicate tensor name"),
+    (_raw({"kind": "x", "tensors": [_td(offset=-1)]}, bytes(8)), "bad offset"),
+])
+def test_malformed_headers(data, msg):
+    with pytest.raises(ProtocolError, match=msg):
+        FrameDecoder().feed(data)
+
+
+def test_encode_rejects_bad_input():
+    with pytest.raises(ValueError, match="C-contiguous"):
+        Frame.make("x", {"a": np.zeros((4, 4), np.float32)[:, 1]})
+    with pytest.raises(ValueError, match="buffer has 3 bytes"):
+        Frame.make("x", {"a": ("float32", (1,), b"abc")})
+    with pytest.raises(ValueError, match="unknown dtype"):
+        F.tensor_desc("a", "float128", (1,))
+    with pytest.raises(ValueError, match="msgpack-serializable"):
+        F.encode(Frame({"kind": "x", "obj": object()}))
+
+
+def test_forward_frame_helpers():
+    N, D, R, W = 5, 16, 3, 8
+    prefix = np.arange(N * D, dtype=np.uint16).reshape(N, D)
+    bank = np.ones((R, N, D), np.uint16)
+    lat = np.zeros((N, W), np.uint16)
+    segs = [F.Segment("a", 1, 10, 2), F.Segment("b", 0, 0, 3, {"temperature": 0.7, "top_p": 0.9, "seed": 5})]
+    fr = F.forward_frame(segs, ("bfloat16", prefix.shape, prefix), ("bfloat16", bank.shape, bank),
+                         ("bfloat16", lat.shape, lat), layer=7, mid_moe=True)
+    (g,) = FrameDecoder().feed(F.encode_bytes(fr))
+    v = F.parse_forward(g)
+    assert v.segments == segs and v.layer == 7 and v.mid_moe and (v.n_tokens, v.hidden, v.bank_rows) == (N, D, R)
+    assert bytes(v.prefix) == prefix.tobytes() and v.partial_latent is not None
+    with pytest.raises(ValueError, match="partial_latent is sent exactly when mid_moe"):
+        F.forward_frame(segs, prefix, layer=3, mid_moe=True)
+    with pytest.raises(ValueError, match=r"prefix shape \[4, 16\] must be \[N=5, D\]"):
+        F.forward_frame(segs, prefix[:4], layer=3)
+    # receivers check consistency of what arrives
+    bad = Frame.make("forward", {"prefix": prefix[:4]}, segments=[s.to_wire() for s in segs], layer=1, mid_moe=False)
+    (g,) = FrameDecoder().feed(F.encode_bytes(bad))
+    with pytest.raises(ProtocolError, match="does not match the 5 tokens"):
+        F.parse_forward(g)
+    bad = Frame.make("forward", {"prefix": prefix}, segments=[{"session": "a", "epoch": 0, "start_pos": 0,
+                                                               "n_tokens": 0}], layer=1)
+    with pytest.raises(ProtocolError, match="n_tokens must be a positive integer"):
+        F.parse_forward(bad)
+
+
+def test_other_kinds():
+    ids = np.array([1, 2, 3], np.int64)
+    t = F.tokens_frame([{"session": "a", "epoch": 0, "start_pos": 0, "n_tokens": 3}], ids)
+    (g,) = FrameDecoder().feed(F.encode_bytes(t))
+    segs, got = F.parse_tokens(g)
+    assert segs[0].session == "a" and got.tolist() == [1, 2, 3]
+    r = F.result_frame([{"session": "a", "epoch": 0, "pos": 3, "token": 42, "logprob": -0.5}])
+    (g,) = FrameDecoder().feed(F.encode_bytes(r))
+    assert F.parse_result(g)[0]["token"] == 42
+    with pytest.raises(ValueError, match="token must be a non-negative integer"):
+        F.result_frame([{"session": "a", "epoch": 0, "pos": 3, "token": -1}])
+    fr = F.free_frame([("a", 0), {"session": 7, "epoch": 2}], reason="done")
+    assert F.parse_free(fr) == [("a", 0), (7, 2)]
+    e = F.error_frame("unknown_session", "no session a", session="a")
+    assert e.header == {"kind": "error", "code": "unknown_session", "message": "no session a", "session": "a"}
+    p = F.ping_frame(3, 123)
+    assert F.pong_frame(p, load=0.5).header == {"kind": "pong", "id": 3, "t_ns": 123, "load": 0.5}
+
+
+def test_transport_does_not_import_torch():
+    import subprocess
+    import sys
+    code = ("import sys, p2pk3.transport.frames, p2pk3.transport.connection, p2pk3.node.discovery, "
+            "p2pk3.node.claims; assert 'torch' not in sys.modules, 'torch imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
