@@ -128,8 +128,9 @@ class StageCache:
     def token_rows(self, segments: list[Segment], device) -> torch.Tensor:
         """Flat row index (block * block_size + offset) of each new token in the MLA pools."""
         rows = []
+        bs = self.block_size
         for s in segments:
-            b = self.sessions[s.session].blocks
-            for p in range(s.start, s.start + s.length):
-                rows.append(b[p // self.block_size] * self.block_size + p % self.block_size)
-        return torch.tensor(rows, dtype=torch.long, device=device)
+            b = torch.tensor(self.sessions[s.session].blocks, dtype=torch.long)
+            p = torch.arange(s.start, s.start + s.length)
+            rows.append(b[p // bs] * bs + p % bs)
+        return torch.cat(rows).to(device)

@@ -228,9 +228,10 @@ class GatedMLA(nn.Module):
         bs = batch.cache.block_size
         for i, seg in enumerate(batch.segments):
             s, e = cu[i], cu[i + 1]
-            blocks = batch.cache.sessions[seg.session].blocks
+            blocks = torch.tensor(batch.cache.sessions[seg.session].blocks, device=flat.device)
             L = seg.start + seg.length
-            idx = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(L)], device=flat.device)
+            pos = torch.arange(L, device=flat.device)
+            idx = blocks[pos // bs] * bs + pos % bs
             kv = flat[idx].to(q_nope.dtype)  # [L, 576]
             ckv, k_pe = kv[:, :R], kv[:, R:]
             k_nope = torch.einsum("lr,hdr->hld", ckv, w_uk)  # [H, L, dn]
