@@ -105,9 +105,12 @@ def _topology_model_dir(topo) -> Path:
 @click.option("--device", default=None, help="torch device (default: cuda if available, else cpu)")
 @click.option("--max-sessions", type=int, default=32, show_default=True)
 @click.option("--max-tokens", type=int, default=32768, show_default=True, help="MLA cache tokens over all sessions")
-@click.option("--discovery/--no-discovery", default=False, show_default=True, help="UDP beacons on the LAN")
+@click.option("--discovery/--no-discovery", default=True, show_default=True, help="UDP beacons on the LAN")
+@click.option("--advertise-host", default=None, help="address peers should dial (default: --host)")
+@click.option("--drop-beacons", is_flag=True, hidden=True, help="fault injection: ignore received beacons")
 @click.option("-v", "--verbose", count=True)
-def node(topology_path, slot, standby, host, port, dtype, device, max_sessions, max_tokens, discovery, verbose):
+def node(topology_path, slot, standby, host, port, dtype, device, max_sessions, max_tokens, discovery,
+         advertise_host, drop_beacons, verbose):
     """Run one node daemon of the ring."""
     import asyncio
     import logging
@@ -115,6 +118,7 @@ def node(topology_path, slot, standby, host, port, dtype, device, max_sessions, 
 
     import torch
 
+    from p2pk3.node.claims import ClaimRefused
     from p2pk3.node.daemon import NodeDaemon
     from p2pk3.topology import Topology, TopologyError
 
@@ -135,14 +139,18 @@ def node(topology_path, slot, standby, host, port, dtype, device, max_sessions, 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     d = NodeDaemon(topo, slot, model_dir=_topology_model_dir(topo), secret=secret,
                    host=host or topo.slot(slot).host or "0.0.0.0", port=port, dtype=dtype, device=device,
-                   max_sessions=max_sessions, max_tokens=max_tokens, discovery=discovery)
+                   max_sessions=max_sessions, max_tokens=max_tokens, discovery=discovery,
+                   advertise_host=advertise_host, drop_beacons=drop_beacons)
 
     async def run_daemon():
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await d.start()
+        try:
+            await d.start()
+        except ClaimRefused as e:
+            raise click.ClickException(f"cannot claim slot {slot}: {e}")
         click.echo(f"node {d.node_id}: slot {slot} up on {d.host}:{d.port}", err=True)
         await stop.wait()
         await d.stop()

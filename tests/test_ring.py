@@ -245,3 +245,20 @@ def test_cli_score_through_local_ring_processes(ckpt, reference, tmp_path):
     want = reference.score(TOKS[:10]).numpy()
     assert np.abs(got - want).max() <= 1e-4
     assert "perplexity" in out.stdout
+
+
+def test_second_claimant_of_a_slot_is_refused(ckpt):
+    from p2pk3.node.claims import ClaimRefused
+
+    async def go():
+        async with Ring(topo_even(ckpt, 2), ckpt) as ring:
+            intruder = NodeDaemon(ring.topo, "s1", model_dir=ckpt, secret=ring.secret, port=0, node_id="second-s1")
+            with pytest.raises(ClaimRefused, match=r"slot s1 is held by node .*epoch 1"):
+                await intruder.start()
+            # the ring still works
+            c = await ring.client()
+            r = await c.generate(TOKS[:4], SamplingParams(max_tokens=3))
+            c.close()
+            return r.tokens
+
+    assert len(run(go())) == 3

@@ -28,6 +28,8 @@ from p2pk3.topology import Topology
 from p2pk3.transport.connection import ConnectionClosed, TransportError, open_connection, serve
 from p2pk3.transport.frames import Frame, ProtocolError, error_frame, free_frame, parse_free, parse_result, pong_frame, result_frame
 
+from .claims import ClaimTable, connection_asker, handle_claim, negotiate_claim
+from .discovery import Discovery
 from .entry import Busy, Entry
 from .stage_runner import StageRunner, Work, hop_frame, merge, model_plan, torch_tensor, wire_tensor, work_from_forward
 
@@ -46,7 +48,8 @@ class NodeDaemon:
     def __init__(self, topo: Topology, slot: str, *, model_dir: str | Path, secret: bytes, host: str = "127.0.0.1",
                  port: int | None = None, node_id: str | None = None, dtype: str = "float32", device: str = "cpu",
                  max_sessions: int = 32, max_tokens: int = 32768, max_batch_tokens: int = 2048,
-                 prefill_chunk: int = 256, discovery: bool = False):
+                 prefill_chunk: int = 256, discovery: bool = False, advertise_host: str | None = None,
+                 drop_beacons: bool = False, claim_wait: float = 1.5):
         self.topo, self.slot_id = topo, slot
         self.slot = topo.slot(slot)
         self.model_dir = Path(model_dir)
@@ -58,6 +61,11 @@ class NodeDaemon:
         self.max_sessions, self.max_tokens = max_sessions, max_tokens
         self.max_batch_tokens, self.prefill_chunk = max_batch_tokens, prefill_chunk
         self.use_discovery = discovery
+        self.advertise_host = advertise_host
+        self.drop_beacons = drop_beacons  # fault hook for tests: ignore every received beacon
+        self.claim_wait = claim_wait
+        self.claims = ClaimTable(self.node_id)
+        self.claim = None
         self.queue: asyncio.Queue = asyncio.Queue()
         self.entry: Entry | None = None
         self.runner: StageRunner | None = None
@@ -86,8 +94,13 @@ class NodeDaemon:
                                max_batch_tokens=self.max_batch_tokens, max_sessions=self.max_sessions)
         self.server = await serve(self.host, self.port, self.secret, self.node_id, self._handle)
         self.port = self.server.port
-        if self.use_discovery:
-            await self._start_discovery()
+        try:
+            if self.use_discovery:
+                await self._start_discovery()
+            await self._claim_slot()
+        except BaseException:
+            await self.stop()
+            raise
         self._tasks.append(asyncio.create_task(self._worker(), name=f"stage-{self.slot_id}"))
         log.info("slot %s serving on %s:%d: %s", self.slot_id, self.host, self.port, tp.describe())
 
@@ -95,7 +108,7 @@ class NodeDaemon:
         for t in self._tasks:
             t.cancel()
         if self.discovery is not None:
-            await _maybe_await(self.discovery.stop())
+            await self.discovery.stop()
         if self.server is not None:
             await _maybe_await(self.server.close())
         if self._next_conn is not None:
@@ -105,18 +118,60 @@ class NodeDaemon:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _start_discovery(self) -> None:
-        from .discovery import Discovery
-        self.discovery = Discovery.for_daemon(self)
-        await _maybe_await(self.discovery.start())
+        c = self.topo.cluster
+        adv = self.advertise_host or (self.host if self.host not in ("0.0.0.0", "") else None)
+        self.discovery = Discovery(c.name, self.secret, self.node_id, port=self.port, host=adv,
+                                   beacon_port=c.beacon_port, beacon_addrs=c.beacon_addrs,
+                                   static=self.topo.static_addresses(), claims=self.claims,
+                                   interval=0.5 if self.claim_wait < 1.5 else 1.0)
+        if self.drop_beacons:
+            self.discovery._on_datagram = lambda data, addr: None
+        await self.discovery.start()
+        await asyncio.sleep(self.claim_wait)  # hear the others' beacons before claiming
+
+    async def _claim_slot(self) -> None:
+        """Take our slot with an epoch above any seen: ask every discovered node and the static address of
+        every other slot; a live holder refuses and we stop with its reason (ClaimRefused)."""
+        addrs: dict[str, tuple[str, int]] = {}
+        if self.discovery is not None:
+            for nid, p in self.discovery.peers().items():
+                addrs[nid] = p.address
+        mine = {(self.host, self.port), (self.advertise_host, self.port)}
+        for sid, a in self.topo.static_addresses().items():
+            if a not in mine and a not in addrs.values():
+                addrs[f"static:{sid}"] = a
+        base = connection_asker(addrs, self.secret, self.node_id, connect_timeout=1.0)
+
+        async def ask(peer, frame):
+            if peer.startswith("static:"):  # we do not know its node id: ask whoever answers there
+                from p2pk3.transport.connection import open_connection
+                conn = await open_connection(*addrs[peer], self.secret, self.node_id, timeout=1.0, handshake_timeout=1.0)
+                try:
+                    await conn.send(frame)
+                    return await conn.recv() if frame.header.get("op", "request") == "request" else None
+                finally:
+                    conn.close("claim done")
+            return await base(peer, frame)
+
+        async def notify(peer, frame):
+            try:
+                await ask(peer, frame)
+            except Exception:
+                pass
+
+        self.claim = await negotiate_claim(self.claims, self.slot_id, list(addrs), ask, timeout=2.0, notify=notify)
+        if self.discovery is not None:
+            self.discovery.update(slot=self.slot_id, epoch=self.claim.epoch, since=self.claim.since)
+        log.info("claimed slot %s (epoch %d)", self.slot_id, self.claim.epoch)
 
     # ------------------------------------------------------------------ ring successor
     def _successor_addr(self) -> tuple[str, int]:
         act = self.topo.active
         nxt = act[(act.index(self.slot) + 1) % len(act)]
         if self.discovery is not None:
-            addr = self.discovery.address_of(nxt.id)
-            if addr:
-                return addr
+            peer = self.discovery.resolve_slot(nxt.id)  # the live claimant, else the static address
+            if peer is not None:
+                return peer.address
         if nxt.host and nxt.port:
             return nxt.host, nxt.port
         raise ConnectionError(f"no address known for ring successor slot {nxt.id} (not discovered, none in topology)")
@@ -127,14 +182,15 @@ class NodeDaemon:
 
     async def _send_next(self, frame: Frame) -> None:
         async with self._next_lock:
-            for attempt in range(50):
+            tries = 300 if self.discovery is not None else 50  # discovery may still be converging
+            for attempt in range(tries):
                 if self._next_conn is None or self._next_conn.closed:
                     try:
                         host, port = self._successor_addr()
                         self._next_conn = await open_connection(host, port, self.secret, self.node_id)
                         asyncio.create_task(self._drain_replies(self._next_conn))
                     except (OSError, asyncio.TimeoutError, TransportError, ConnectionError) as e:
-                        if attempt == 49:
+                        if attempt == tries - 1:
                             raise
                         log.debug("successor not reachable yet (%s); retrying", e)
                         await asyncio.sleep(0.1)
@@ -184,6 +240,10 @@ class NodeDaemon:
                     await conn.send(pong_frame(f, slot=self.slot_id, **self.public_stats()))
                 elif kind == "generate":
                     await self._serve_generate(conn, f)
+                elif kind == "claim":
+                    reply = handle_claim(self.claims, f, peer_id=conn.peer_id)
+                    if reply is not None:
+                        await conn.send(reply)
                 elif kind == "status":
                     await conn.send(Frame.make("status", **self.public_stats()))
                 else:

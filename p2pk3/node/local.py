@@ -82,7 +82,7 @@ class LocalRing:
             log = open(self.log_dir / f"node-{s.id}.log", "w")
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "p2pk3.cli", "node", "--topology", str(self.topology), "--slot", s.id,
-                 "--dtype", self.dtype, *self.extra],
+                 "--dtype", self.dtype, "--no-discovery", *self.extra],
                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
         deadline = time.time() + timeout
         pending = {s.id: (s.host, s.port) for s in self.topo.active}
