@@ -60,7 +60,9 @@ def _chunk_one(q, k, v, g, beta, S, chunk: int):
         incl = torch.tril(torch.ones(C, C, dtype=torch.bool, device=q.device), 0)
         # A[i,j] = beta_i sum_d k_i k_j exp(G_i - G_j), j < i (masked before exp: no overflow)
         dk = torch.where(lower[None, :, :, None], diff, torch.full_like(diff, -float("inf"))).exp()
-        A = torch.einsum("hid,hjd,hijd->hij", kc, kc, dk) * bc.unsqueeze(-1)
+        # (broadcast product + sum == einsum "hid,hjd,hijd->hij"; the 3-operand einsum lowers to many tiny bmm
+        # calls whose backward is ~2.5x slower on CPU)
+        A = (kc.unsqueeze(2) * kc.unsqueeze(1) * dk).sum(-1) * bc.unsqueeze(-1)
         # (I + A)^-1 by forward substitution
         Tm = torch.linalg.solve_triangular(torch.eye(C, device=q.device) + A, torch.eye(C, device=q.device).expand(H, C, C),
                                            upper=False, unitriangular=True)
@@ -68,7 +70,7 @@ def _chunk_one(q, k, v, g, beta, S, chunk: int):
         u = Tm @ (bc.unsqueeze(-1) * vc)  # [H,C,V]
         v_new = u - w @ S  # [H,C,V]
         dq = torch.where(incl[None, :, :, None], diff, torch.full_like(diff, -float("inf"))).exp()
-        Aqk = torch.einsum("hid,hjd,hijd->hij", qc, kc, dq)
+        Aqk = (qc.unsqueeze(2) * kc.unsqueeze(1) * dq).sum(-1)
         o[s:e] = ((qc * G.exp()) @ S + Aqk @ v_new).transpose(0, 1)
         GC = G[:, -1:, :]  # [H,1,K]
         S = S * GC.transpose(1, 2).exp() + ((GC - G).exp() * kc).transpose(1, 2) @ v_new
