@@ -20,7 +20,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
     for i in range(B):
         L = int(seq_lens[i])
         nb = (L + bs - 1) // bs
-        kv = kv_cache[block_table[i, :nb].long()].reshape(nb * bs, -1)[:L].float()  # [L, R+P]
+        kv = kv_cache[block_table[i, :nb].long()].reshape(nb * bs, kv_cache.shape[-1])[:L].float()  # [L, R+P]
         s = (q_lat[i].float() @ kv[:, :R].T + q_pe[i].float() @ kv[:, R:].T) * scale  # [H, L]
         out[i] = torch.softmax(s, -1) @ kv[:, :R]
     return out
