@@ -29,10 +29,13 @@ Matmul variants (constexpr MODE):
      p2pk3.quant.mxfp4.mxfp8_e4m3_fake_quant) and call e4m3 x e4m3 tl.dot_scaled, which lowers to the native
      `mma.sync ... kind::mxf8f6f4.block_scale` on sm_120. This CHANGES NUMERICS (activations rounded to e4m3),
      so it is opt-in: P2PK3_SM120_W4A8=1 on sm_120 (or P2PK3_MXFP4_MODE=w4a8 anywhere).
-`P2PK3_MXFP4_MODE=dot_scaled|dequant|dequant_f16|w4a8` forces a variant on any device. Which one is fastest on
+  4 "dequant_f32": the dequant path with fp32 activations, fp32 intermediate and IEEE fp32 dots (no tf32).
+     Always taken for float32 activations, so a float32 model is not rounded to bf16 inside the experts.
+`P2PK3_MXFP4_MODE=dot_scaled|dequant|dequant_f16|w4a8` forces a variant for bf16/fp16 activations. Which one is fastest on
 sm_90 is unmeasured (no GPU when written; a static count of the sm_90 PTX main loop gives ~12 instructions per
 weight nibble for dot_scaled and dequant_f16, ~16 for dequant): tools/bench_kernels.py times all of them.
-Activations are rounded to bf16 (fp16 in mode 3) before the matmuls (the model runs bf16); accumulation is fp32.
+In modes 0-3 activations are rounded to bf16 (fp16 in mode 3) before the matmuls (the model runs bf16);
+accumulation is fp32.
 """
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-MODES = {"dot_scaled": 0, "dequant": 1, "w4a8": 2, "dequant_f16": 3}
+MODES = {"dot_scaled": 0, "dequant": 1, "w4a8": 2, "dequant_f16": 3, "dequant_f32": 4}
 _POISON = False  # tests: fill intermediates with NaN so an unwritten element shows up
 
 
@@ -163,7 +166,7 @@ def _mx_matmul(acc, x_rows, stride_xk, m_mask, K, w_base, s_base, offs_n, n_mask
                 part = tl.dot(xe, w_lo)
                 part = tl.dot(xo, w_hi, part)
             acc += part * sf[None, :]
-        elif MODE == 1:
+        elif MODE == 1 or MODE == 4:
             ks = k0 // 32 + offs_ks
             ws = tl.load(s_base + offs_n[:, None] * stride_sn + ks[None, :] * stride_sk,
                          mask=n_mask[:, None] & (ks < K // 32)[None, :], other=127)  # [BN, BK/32]
@@ -173,13 +176,18 @@ def _mx_matmul(acc, x_rows, stride_xk, m_mask, K, w_base, s_base, offs_n, n_mask
             sf = tl.reshape(tl.broadcast_to(sf[:, None, :], (BK // 32, 16, BN)), (BK // 2, BN))
             wi = wq.to(tl.int32)
             # (2^126 is not folded into sf: 2^(s-1) would overflow fp32 for s > 128)
-            w_lo = ((_e2m1_bits(wi) * 8.507059173023462e37) * sf).to(tl.bfloat16)
-            w_hi = ((_e2m1_bits(wi >> 4) * 8.507059173023462e37) * sf).to(tl.bfloat16)
+            w_lo = (_e2m1_bits(wi) * 8.507059173023462e37) * sf
+            w_hi = (_e2m1_bits(wi >> 4) * 8.507059173023462e37) * sf
             offs_k = k0 + tl.arange(0, BK)
             x = tl.load(x_rows[:, None] + offs_k[None, :] * stride_xk,
-                        mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0).to(tl.bfloat16)
+                        mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0).to(tl.float32)
+            if MODE == 1:
+                w_lo, w_hi, x = w_lo.to(tl.bfloat16), w_hi.to(tl.bfloat16), x.to(tl.bfloat16)
             xe, xo = tl.split(tl.reshape(x, (BM, BK // 2, 2)))  # even / odd input columns
-            if DOT_F32:  # interpreter: tl.dot on bf16 operands multiplies their raw uint16 bits
+            if MODE == 4:  # fp32 activations (a float32 model): exact fp32 products, no tf32
+                acc = tl.dot(xe, w_lo, acc, input_precision="ieee")
+                acc = tl.dot(xo, w_hi, acc, input_precision="ieee")
+            elif DOT_F32:  # interpreter: tl.dot on bf16 operands multiplies their raw uint16 bits
                 acc = tl.dot(xe.to(tl.float32), w_lo.to(tl.float32), acc)
                 acc = tl.dot(xo.to(tl.float32), w_hi.to(tl.float32), acc)
             else:
@@ -295,7 +303,11 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def pick_mode(device: torch.device) -> int:
+def pick_mode(device: torch.device, act_dtype: torch.dtype = torch.bfloat16) -> int:
+    """float32 activations always take the fp32 dequant path (no bf16 rounding of a float32 model);
+    otherwise P2PK3_MXFP4_MODE, else the device default."""
+    if act_dtype == torch.float32:
+        return MODES["dequant_f32"]
     env = os.environ.get("P2PK3_MXFP4_MODE")
     if env:
         if env not in MODES:
@@ -357,7 +369,7 @@ def _launch(z, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, to
     TOPK = topk_ids.shape[1]
     P = N * TOPK
     dev = z.device
-    mode = pick_mode(dev) if mode is None else mode
+    mode = pick_mode(dev, z.dtype) if mode is None else mode
     if out is None:
         out = torch.empty(N, W, dtype=torch.float32, device=dev)
     if P == 0:
@@ -368,7 +380,7 @@ def _launch(z, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, to
     NB = blk_e.numel()
     alloc = (lambda *s, dtype: torch.full(s, float("nan"), dtype=dtype, device=dev)) if _POISON else \
         (lambda *s, dtype: torch.empty(s, dtype=dtype, device=dev))
-    h = alloc(P, I, dtype=torch.bfloat16)
+    h = alloc(P, I, dtype=torch.float32 if mode == 4 else torch.bfloat16)
     y = alloc(P, W, dtype=torch.float32)
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()

@@ -161,7 +161,8 @@ class KimiDeltaAttention(nn.Module):
         if batch.decode:
             o = ops.kda_decode(q, k, v, a, b, *args, batch.slots, scale, lb)
         else:
-            o = ops.kda_prefill(q, k, v, a, b, *args, batch.cu_seqlens, batch.slots, scale, lb)
+            cu = batch.memo("cu", lambda: torch.tensor(batch.cu_seqlens, dtype=torch.int32, device=batch.device))
+            o = ops.kda_prefill(q, k, v, a, b, *args, cu, batch.slots, scale, lb)
         g = self.g_proj(x) if self.cfg.kda_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
         # per-head RMSNorm (fp32 weight) times sigmoid(output gate), fp32, then o_proj (spec 2.3)
         h = o.float()
