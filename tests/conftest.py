@@ -14,3 +14,17 @@ except Exception:  # pragma: no cover
     _has_cuda = False
 if not _has_cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def ckpt(tmp_path_factory):
+    """A random tiny-K3 checkpoint in the published layout (3 shards, `language_model.` prefix, MXFP4 experts)."""
+    from p2pk3.checkpoint.tiny import write_checkpoint
+    from p2pk3.model.config import TINY_K3
+
+    d = tmp_path_factory.mktemp("tiny-k3")
+    write_checkpoint(d, TINY_K3, seed=0, shards=3)
+    return d

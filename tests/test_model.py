@@ -18,13 +18,6 @@ from p2pk3.checkpoint.tiny import write_checkpoint
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny-k3")
-    write_checkpoint(d, TINY_K3, seed=0, shards=3)
-    return d
-
-
-@pytest.fixture(scope="module")
 def whole(ckpt):
     return Pipeline.load(ckpt, 1, max_sessions=8, max_tokens=2048, block_size=8)
 

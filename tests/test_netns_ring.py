@@ -7,11 +7,9 @@ import json
 import secrets
 import subprocess
 import sys
-import time
 
 import pytest
 
-from p2pk3.checkpoint.tiny import write_checkpoint
 from p2pk3.engine.reference import Pipeline
 from p2pk3.engine.sampling import SamplingParams
 from p2pk3.model.config import TINY_K3
@@ -41,13 +39,6 @@ async def main():
     print(json.dumps(outs))
 asyncio.run(asyncio.wait_for(main(), 240))
 """
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny-k3-netns")
-    write_checkpoint(d, TINY_K3, seed=0, shards=3)
-    return d
 
 
 def _ring(tmp_path, ckpt, lab, static: bool):

@@ -12,9 +12,7 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 
-from p2pk3.checkpoint.tiny import write_checkpoint
 from p2pk3.engine.reference import Pipeline
 from p2pk3.engine.sampling import SamplingParams
 from p2pk3.model.config import TINY_K3
@@ -26,13 +24,6 @@ from p2pk3.transport.connection import AuthenticationError, open_connection
 from p2pk3.transport.frames import Frame, forward_frame
 
 TOKS = [5, 17, 300, 42, 42, 7, 99, 123, 511, 0, 1, 2, 3, 250, 260, 270, 280, 14, 15]
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny-k3-ring")
-    write_checkpoint(d, TINY_K3, seed=0, shards=3)
-    return d
 
 
 @pytest.fixture(scope="module")

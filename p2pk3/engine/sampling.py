@@ -1,7 +1,7 @@
 """Token sampling: greedy, or temperature / top-k / top-p with a per-session seeded generator."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
