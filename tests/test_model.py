@@ -270,3 +270,18 @@ def test_bfloat16_path_runs_close_to_float32(whole, ckpt):
     # bf16 is not bit-comparable; the next-token distributions must still agree closely
     pa, pb = torch.softmax(a, -1), torch.softmax(b, -1)
     assert (pa - pb).abs().sum(-1).mean() < 0.5
+
+
+def test_mxfp8_activation_fake_quant_is_off_by_default_and_close_when_on(whole):
+    from p2pk3.model.kimi_k3 import LatentMoE
+
+    assert LatentMoE.mxfp8_activations is False
+    a = whole.score(TOKS)
+    try:
+        LatentMoE.mxfp8_activations = True
+        b = whole.score(TOKS)
+    finally:
+        LatentMoE.mxfp8_activations = False
+    assert not torch.equal(a, b)  # it does quantize
+    pa, pb = torch.softmax(a, -1), torch.softmax(b, -1)
+    assert (pa - pb).abs().sum(-1).mean() < 0.2

@@ -10,6 +10,7 @@ are split over several stages, the partial latent-MoE sum (spec 4.3).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -286,6 +287,12 @@ class LatentMoE(nn.Module):
     up-projection, plus shared experts. Holds only the routed experts of this stage (`held`); `covered`
     are the experts held by all stages that share this layer (a split layer)."""
 
+    # Optional MXFP8 (E4M3, 32-wide E8M0 blocks) fake quantization of the routed experts' input, off by
+    # default: the checkpoint declares no activation quantization (spec 6.4); K3's QAT reportedly used
+    # MXFP8 activations [S]. Only the expert input z is quantized here (the sm_120 W4A8 kernel variant also
+    # quantizes the intermediate). Set P2PK3_MXFP8_ACTIVATIONS=1 or the class attribute.
+    mxfp8_activations = os.environ.get("P2PK3_MXFP8_ACTIVATIONS") == "1"
+
     def __init__(self, cfg: K3Config, layer_idx: int, held: list[int] | None = None, covered: list[int] | None = None):
         super().__init__()
         self.cfg, self.layer_idx = cfg, layer_idx
@@ -360,6 +367,9 @@ class LatentMoE(nn.Module):
         ids, w = self.route(x)
         local = self.g2l[ids]
         z = self.routed_expert_down_proj(x) if c.routed_expert_hidden_size else x
+        if self.mxfp8_activations:
+            from p2pk3.quant.mxfp4 import mxfp8_e4m3_fake_quant
+            z = mxfp8_e4m3_fake_quant(z)
         if self.master:
             from p2pk3.quant.qat import fake_quant_mxfp4_ste
             fq = fake_quant_mxfp4_ste if c.quant is not None else (lambda t: t)
