@@ -211,22 +211,31 @@ def _generate_and_print(ring, mdir, prompt, max_tokens, temperature=0.0, seed=No
     click.echo(f"> {prompt}")
 
     async def go():
+        from p2pk3.node.client import Client
         c = await ring.client()
         try:
-            return await c.generate(ids, params, on_token=lambda t: None)
+            reply = await c.generate(ids, params)
         finally:
             c.close()
+        stages = []
+        for s in ring.topo.active:
+            sc = await Client.connect(s.host, s.port, ring.secret)
+            try:
+                stages.append(await sc.status())
+            finally:
+                sc.close()
+        return reply, stages
 
-    r = asyncio.run(go())
+    r, stages = asyncio.run(go())
     click.echo(tok.decode([t for t in r.tokens if t not in tok.eos_ids]).strip())
     st = r.stats
     tps = st.get("decode_tokens_per_s")
-    click.echo(f"[{st['prompt_tokens']} prompt + {st['generated_tokens']} generated tokens; "
+    click.echo(f"[ring of {len(stages)} nodes: {st['prompt_tokens']} prompt + {st['generated_tokens']} generated tokens; "
                f"time to first token {1000 * (st['ttft_s'] or 0):.0f} ms; "
-               f"decode {tps:.1f} tok/s; {len(ring.topo.active)} stages]" if tps else
-               f"[{st['prompt_tokens']} prompt + {st['generated_tokens']} generated tokens]")
-    click.echo(f"[entry stage: {st and r.stage_stats.get('batches')} batches, "
-               f"{r.stage_stats.get('busy_s')} s busy]")
+               f"decode {tps or 0:.1f} tok/s; total {st['total_s']:.2f} s]")
+    for s in stages:
+        click.echo(f"  stage {s['slot']}: {s['batches']} batches, {s['tokens']} tokens, "
+                   f"{1000 * s['busy_s']:.0f} ms compute")
 
 
 @main.command()

@@ -285,3 +285,61 @@ def test_mxfp8_activation_fake_quant_is_off_by_default_and_close_when_on(whole):
     assert not torch.equal(a, b)  # it does quantize
     pa, pb = torch.softmax(a, -1), torch.softmax(b, -1)
     assert (pa - pb).abs().sum(-1).mean() < 0.2
+
+
+def _batch_for(stage, n):
+    from p2pk3.model.kimi_k3 import Batch
+    cache = stage.new_cache(2, 64, block_size=8)
+    cache.open("h")
+    segs = [Segment("h", 0, n)]
+    cache.reserve(segs)
+    return Batch(segs, cache, torch.device("cpu"))
+
+
+def test_mla_single_token_by_hand(whole):
+    """One token attends only to itself (softmax = 1): the output is o_proj(sigmoid(g) * W_UV c_hat)."""
+    stage = whole.stages[0]
+    mla = stage.model.layers["3"].self_attn
+    c = TINY_K3
+    x = torch.randn(1, c.hidden_size)
+    with torch.no_grad():
+        y = mla(x, _batch_for(stage, 1))
+        kv = x @ mla.kv_a_proj_with_mqa.weight.T
+        lat = kv[:, : c.kv_lora_rank]
+        lat = lat / torch.sqrt(lat.pow(2).mean(-1, keepdim=True) + 1e-6) * mla.kv_a_layernorm.weight
+        w = mla.kv_b_proj.weight.view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        v = torch.einsum("hdr,r->hd", w[:, c.qk_nope_head_dim:], lat[0]).reshape(1, -1)
+        want = (v * torch.sigmoid(x @ mla.g_proj.weight.T)) @ mla.o_proj.weight.T
+    assert torch.allclose(y, want, atol=1e-5)
+
+
+def test_latent_moe_by_hand(whole):
+    """Stable LatentMoE for one token written out expert by expert from the packed checkpoint bytes."""
+    from p2pk3.quant.mxfp4 import dequantize_mxfp4
+
+    c = TINY_K3
+    stage = whole.stages[0]
+    moe = stage.model.layers["2"].block_sparse_moe
+    x = torch.randn(1, c.hidden_size)
+    with torch.no_grad():
+        u = moe.partial(x)
+        y = moe.finish(x, u)
+        s = torch.sigmoid(x[0] @ moe.gate.weight.T)
+        chosen = sorted(range(c.num_experts), key=lambda e: -(s[e] + moe.gate.e_score_correction_bias[e]))[:2]
+        wsum = sum(s[e] for e in chosen)
+        z = x[0] @ moe.routed_expert_down_proj.weight.T
+        lat = torch.zeros(c.expert_width)
+        for e in chosen:
+            w1 = dequantize_mxfp4(moe.w1_packed[e], moe.w1_scale[e])
+            w3 = dequantize_mxfp4(moe.w3_packed[e], moe.w3_scale[e])
+            w2 = dequantize_mxfp4(moe.w2_packed[e], moe.w2_scale[e])
+            g, up = w1 @ z, w3 @ z
+            h = 4 * torch.tanh(g / 4) * torch.sigmoid(g) * 25 * torch.tanh(up / 25)
+            lat += (s[e] / wsum) * (w2 @ h)
+        normed = lat / torch.sqrt(lat.pow(2).mean() + c.rms_norm_eps) * moe.routed_expert_norm.weight
+        sh = moe.shared_experts
+        g, up = sh.gate_proj.weight @ x[0], sh.up_proj.weight @ x[0]
+        shared = sh.down_proj.weight @ (4 * torch.tanh(g / 4) * torch.sigmoid(g) * 25 * torch.tanh(up / 25))
+        want = moe.routed_expert_up_proj.weight @ normed + shared
+    assert torch.allclose(u[0], lat, atol=1e-5)
+    assert torch.allclose(y[0], want, atol=1e-4)

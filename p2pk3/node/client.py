@@ -37,6 +37,14 @@ class Client:
     def close(self) -> None:
         self.conn.close("client done")
 
+    async def status(self) -> dict:
+        """The node's counters (slot, batches, tokens, busy seconds, open sessions)."""
+        await self.conn.send(Frame.make("status"))
+        f = await self.conn.recv()
+        if f.kind != "status":
+            raise RequestError("bad_reply", f"expected a status frame, got {f.kind!r}")
+        return dict(f.header)
+
     async def generate(self, prompt: list[int], params: SamplingParams | None = None, *, logits: bool = False,
                        incremental: bool = False, on_token=None) -> Reply:
         """One request on this connection (one at a time per connection; open several for concurrency)."""
