@@ -259,7 +259,7 @@ class StagePlan:
             return 0
         n = (1 + self.bank_rows_out(cfg)) * cfg.hidden_size * itemsize
         if self.exits_mid_moe:
-            n += cfg.expert_width * itemsize
+            n += cfg.expert_width * 4  # the partial latent sum travels in fp32 (docs/protocol.md)
         return n
 
     def describe(self) -> str:
