@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from p2pk3.engine.reference import load_stage
+from p2pk3.engine.reference import configure_cpu_threads, load_stage
 from p2pk3.engine.sampling import SamplingParams
 from p2pk3.model.cache import CacheFull, SessionError
 from p2pk3.model.config import K3Config
@@ -82,6 +82,8 @@ class NodeDaemon:
         loop = asyncio.get_running_loop()
         cfg = K3Config.from_pretrained(self.model_dir)
         self.cfg = cfg
+        if torch.device(self.device).type == "cpu":
+            configure_cpu_threads(cfg)
         for w in self.topo.validate(cfg):  # raises TopologyError naming every problem
             log.warning("topology: %s", w)
         tp = self.topo.stage_plan(self.slot, cfg)
