@@ -372,3 +372,37 @@ def test_backpressure_pauses_reading():
             c.close()
 
     run(main())
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_forward_and_concurrent_sends_keep_order(loop):
+    async def main():
+        async def relay(conn):  # a stage passing frames on unchanged
+            async for f in conn:
+                await conn.forward(f)
+
+        async with await serve("127.0.0.1", 0, SECRET, "srv", relay, checksum=True) as srv:
+            c = await open_connection("127.0.0.1", srv.port, SECRET, "c")
+            big = np.arange(3 << 20, dtype=np.int32)  # larger than the socket buffers: partial writes
+            sends = []
+            for i in range(12):
+                t = {"a": big} if i % 3 == 0 else {"a": np.full(10, i, np.int16)}
+                sends.append(asyncio.ensure_future(c.send(Frame.make("x", t, i=i))))
+            sends[7].cancel()  # still waiting for its turn: never sent, the others go on
+            await asyncio.sleep(0)
+            sends[8].cancel()
+            got = []
+            for _ in range(10):
+                f = await asyncio.wait_for(c.recv(), 10)
+                got.append(f.header["i"])
+                if f.header["i"] % 3 == 0:
+                    np.testing.assert_array_equal(f.array("a"), big)
+                else:
+                    assert f.array("a").tolist() == [f.header["i"]] * 10
+            assert got == [0, 1, 2, 3, 4, 5, 6, 9, 10, 11]
+            results = await asyncio.gather(*sends, return_exceptions=True)
+            assert [type(r).__name__ for r in results].count("CancelledError") == 2
+            assert c.frames_sent == 10
+            c.close()
+
+    run(main(), loop)

@@ -212,3 +212,98 @@ def test_transport_does_not_import_torch():
             "p2pk3.node.claims; assert 'torch' not in sys.modules, 'torch imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("header,msg", [
+    ({"kind": "x", b"k": 1}, "map key b'k' is not a string"),
+    ({"kind": "x", "t": msgpack.Timestamp(1, 0)}, "holds a value of type Timestamp"),
+    ({"kind": "x", "deep": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}, "nests too deeply"),
+    ({"kind": "x", "e": [{"k": {b"inner": 2}}]}, "map key b'inner' is not a string"),
+])
+def test_header_plain_types_only(header, msg):
+    # the raw-byte pre-check must never let these through (they hold bin / ext / container markers)
+    hb = msgpack.packb(header, use_bin_type=True, datetime=False)
+    assert not F._surely_plain(hb)
+    with pytest.raises(ProtocolError, match=msg):
+        FrameDecoder().feed(_raw(hb))
+
+
+def test_header_depth_limit_is_exact():
+    ok = {"kind": "x", "d": []}
+    inner = ok["d"]
+    for _ in range(30):  # containers at depth 1..31, the innermost one empty or holding a scalar
+        inner.append([])
+        inner = inner[0]
+    inner.append(1)
+    (g,) = FrameDecoder().feed(_raw(ok))
+    assert g.header == ok
+    inner[0] = [1]
+    with pytest.raises(ProtocolError, match="nests too deeply"):
+        FrameDecoder().feed(_raw(ok))
+
+
+def test_bin_values_are_walked_and_accepted():
+    data = _raw({"kind": "hello", "nonce": b"\x01" * 32, "m": {"a": [1, 2.5, None, True, "s"]}})
+    (g,) = FrameDecoder().feed(data)
+    assert g.header["nonce"] == b"\x01" * 32 and g.header["m"]["a"] == [1, 2.5, None, True, "s"]
+
+
+def test_make_lays_out_offsets_and_encode_keeps_caller_header():
+    a, b = np.zeros(3, np.uint8), np.ones(5, np.float32)
+    fr = Frame.make("x", {"a": a, "b": b})
+    assert [d["offset"] for d in fr.tensors] == [0, 64]
+    # a header built by hand (no offsets): encode lays it out without touching the caller's dicts
+    hand = Frame({"kind": "x", "tensors": [F.tensor_desc("a", "uint8", (3,)), F.tensor_desc("b", "float32", (5,))]},
+                 [memoryview(a), b])
+    assert "offset" not in hand.tensors[0]
+    assert F.encode_bytes(hand) == F.encode_bytes(fr)
+    assert "offset" not in hand.tensors[0]
+    bad = Frame({"kind": "x", "tensors": [{**F.tensor_desc("a", "uint8", (3,)), "offset": False}]}, [memoryview(a)])
+    (g,) = FrameDecoder().feed(F.encode_bytes(bad))  # a bool is not taken for offset 0
+    assert g.tensors[0]["offset"] == 0 and type(g.tensors[0]["offset"]) is int
+
+
+def test_forward_resends_the_received_bytes():
+    fr = Frame.make("x", {"a": np.arange(10, dtype=np.int64), "b": np.ones((2, 3), np.float16)}, n=[1, {"k": "v"}])
+    for checksum in (False, True):
+        data = F.encode_bytes(fr, checksum=checksum)
+        (g,) = FrameDecoder().feed(data)
+        assert g.wire is not None
+        chunks = F.encode(g, forward=True)
+        assert any(isinstance(c, memoryview) and c.obj is g.payload.obj for c in chunks)  # payload not copied
+        assert b"".join(bytes(c) for c in chunks) == F.encode_bytes(fr)
+        assert b"".join(bytes(c) for c in F.encode(g, forward=True, checksum=True)) == F.encode_bytes(fr, checksum=True)
+    assert F.encode(fr, forward=True) == F.encode(fr)  # not a received frame: encoded normally
+
+
+def _addr(mv: memoryview) -> int:
+    return np.frombuffer(mv, np.uint8).__array_interface__["data"][0]
+
+
+def test_large_payloads_page_aligned_and_pooled_only_when_free():
+    n = F.POOL_MIN * 2
+    data = F.encode_bytes(Frame.make("x", {"a": np.arange(n, dtype=np.uint8)}))
+    dec = FrameDecoder(staging_size=1024)
+    (g1,) = _feed_in_pieces(dec, data, 50000)
+    assert _addr(g1.payload) % 4096 == 0
+    (g2,) = _feed_in_pieces(dec, data, 50000)
+    assert g2.payload.obj is not g1.payload.obj  # g1 is alive: its buffer is not reused
+    (g3,) = _feed_in_pieces(dec, data, 50000)
+    assert g3.payload.obj is not g1.payload.obj and g3.payload.obj is not g2.payload.obj
+    arr = g3.array("a")  # a numpy view keeps the buffer alive too
+    del g3
+    addr1 = _addr(g1.payload)
+    del g1, g2  # g1's and g2's buffers are free again (g1's was evicted from the pool of 2)
+    (g4,) = _feed_in_pieces(dec, data, 50000)
+    addr4 = _addr(g4.payload)
+    assert addr4 != _addr(memoryview(arr)) and addr4 != addr1  # g2's pooled buffer, not g3's (in use)
+    np.testing.assert_array_equal(arr, np.arange(n, dtype=np.uint8))
+    np.testing.assert_array_equal(g4.array("a"), np.arange(n, dtype=np.uint8))
+    del g4
+    (g5,) = _feed_in_pieces(dec, data, 50000)  # the free pooled buffer is reused
+    assert _addr(g5.payload) == addr4
+    np.testing.assert_array_equal(arr, np.arange(n, dtype=np.uint8))
+    # a custom allocator bypasses all of this
+    allocs = []
+    (g,) = FrameDecoder(alloc=lambda k: allocs.append(k) or bytearray(k)).feed(data)
+    assert allocs == [len(g.payload)]

@@ -39,9 +39,9 @@ async def _latency(nbytes: int, rounds: int) -> tuple[float, float]:
     D = 64 if nbytes < 8192 else 7168
     rows = max(1, nbytes // (D * 4))
 
-    async def echo(conn):
+    async def echo(conn):  # a stage passing each frame on (received and validated, sent on as it came in)
         async for f in conn:
-            await conn.send(f)
+            await conn.forward(f)
 
     srv = await serve("127.0.0.1", 0, secret, "echo", echo)
     conn = await open_connection("127.0.0.1", srv.port, secret, "bench")

@@ -15,10 +15,13 @@ nothing but our node id and nonce. The data plane is not encrypted: run the ring
 inside a VPN (WireGuard).
 
 Receiving uses an `asyncio.BufferedProtocol` around `frames.FrameDecoder` (payload read straight into
-one buffer per frame). Sending hands the prefix+header chunk and the caller's tensor buffers to the
-transport in one call (`writelines`; on CPython 3.11's selector loop, which would join them, we
-`sendmsg` them ourselves first). `await send()` returns once the transport has handed every byte to
-the kernel, so the caller may reuse its tensor buffers afterwards.
+one buffer per frame). Sending writes the prefix+header chunk and the caller's tensor buffers to the
+socket with one `os.writev` while the transport has nothing buffered (no copy, no per-chunk work in
+the transport); what the kernel does not take at once goes to the transport (`writelines`, zero copy
+with uvloop and CPython >= 3.12; on CPython 3.11's selector loop, whose writelines joins them, we keep
+`sendmsg`-ing them ourselves). `await send()` returns once every byte is in the kernel, so the caller
+may reuse its tensor buffers afterwards; it creates no future unless it has to wait. `forward()` sends
+a received frame on as it came in (no re-encoding), for stages passing frames along.
 """
 from __future__ import annotations
 
@@ -138,11 +141,32 @@ def _iov_max() -> int:
 
 
 _IOV_MAX = _iov_max()
+_writev = getattr(os, "writev", None)  # (POSIX)
+
+
+def _skip(chunks: list[Any], n: int) -> list[Any]:
+    """`chunks` without their first n bytes (views, no copies)."""
+    if not n:
+        return chunks
+    out = []
+    for c in chunks:
+        k = len(c)
+        if n >= k:
+            n -= k
+        elif n:
+            out.append(memoryview(c)[n:])
+            n = 0
+        else:
+            out.append(c)
+    return out
 
 
 class _Protocol(asyncio.BufferedProtocol):
     def __init__(self, conn: "Connection"):
         self.conn = conn
+        # the hot callbacks, bound straight to their targets (one Python call less per read)
+        self.get_buffer = conn._decoder.get_buffer  # type: ignore[method-assign]
+        self.buffer_updated = conn._received  # type: ignore[method-assign]
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.conn._made(transport)
@@ -196,12 +220,15 @@ class Connection:
         self._waiter: asyncio.Future | None = None
         self._write_paused = False
         self._drain_waiters: list[asyncio.Future] = []
-        self._send_lock = asyncio.Lock()
+        self._send_busy = False  # a send() holds the connection (FIFO hand-over to _send_waiters)
+        self._send_waiters: collections.deque[asyncio.Future] = collections.deque()
         self._error: BaseException | None = None
         self._close_reason: str | None = None
-        self._closed = asyncio.get_running_loop().create_future()
-        self._ready = asyncio.get_running_loop().create_future()
+        self._loop = asyncio.get_running_loop()
+        self._closed = self._loop.create_future()
+        self._ready = self._loop.create_future()
         self._raw_sock: socket.socket | None = None
+        self._fd = -1  # the socket, for writing to it directly (see _write_now)
         self._writable_waiter: asyncio.Future | None = None
         self.frames_sent = self.frames_received = 0
         self.bytes_sent = 0
@@ -225,27 +252,88 @@ class Connection:
         return f"node {self.peer_id!r} at {addr}" if self.peer_id else addr
 
     async def send(self, frame: Frame) -> None:
-        """Write one frame; returns when all of it is in the kernel's socket buffer."""
+        """Write one frame; returns when all of it is in the kernel's socket buffer (the caller may then
+        reuse its tensor buffers). Concurrent sends are serialised in call order."""
+        await self._send(frame, False)
+
+    async def forward(self, frame: Frame) -> None:
+        """Send a frame received on some connection on, as it came in: its header bytes as received and
+        its payload buffer, without encoding it again (what a stage passing a frame along does). The
+        header and buffers must not have been modified since it was received; a frame that was not
+        received (no `wire`) is simply sent."""
+        await self._send(frame, True)
+
+    async def _send(self, frame: Frame, forward: bool) -> None:
         if not self.authenticated:
             raise TransportError("send() before the handshake completed")
-        async with self._send_lock:
-            await self._send_frame(frame, count=True)
+        if self._send_busy or self._send_waiters:
+            await self._send_turn()
+        else:
+            self._send_busy = True
+        try:
+            if self.faults.active:
+                await self._send_frame(frame, count=True)
+                return
+            # fast path: encode, hand the chunks to the kernel now, wait only if some of it did not fit
+            if self._error is not None:
+                raise ConnectionClosed(f"connection failed: {self._error}")
+            tr = self._transport
+            if self._close_reason is not None or tr is None or tr.is_closing():
+                raise ConnectionClosed(self._close_reason or "connection is closing")
+            chunks = encode(frame, checksum=self.checksum, forward=forward)
+            total = sum(map(len, chunks))
+            n = self._write_now(chunks)
+            if n != total:
+                await self._write_rest(chunks, n)
+            self.frames_sent += 1
+            self.bytes_sent += total
+        finally:
+            if self._send_waiters:
+                self._send_release()
+            else:
+                self._send_busy = False
+
+    async def _send_turn(self) -> None:
+        """Wait until the sends queued before this one are done; on return this send holds the connection."""
+        fut = self._loop.create_future()
+        self._send_waiters.append(fut)
+        try:
+            await fut
+        except BaseException:
+            if fut.done() and not fut.cancelled():
+                self._send_release()  # the turn was handed to us as we were cancelled: pass it on
+            else:
+                try:
+                    self._send_waiters.remove(fut)
+                except ValueError:
+                    pass
+            raise
+
+    def _send_release(self) -> None:
+        waiters = self._send_waiters
+        while waiters:
+            fut = waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)  # hand over: _send_busy stays set for the next sender
+                return
+        self._send_busy = False
 
     async def recv(self) -> Frame:
-        while not self._queue:
+        q = self._queue
+        while not q:
             if self._error is not None:
                 raise self._error
             if self._close_reason is not None:
                 raise ConnectionClosed(self._close_reason)
             if self._waiter is not None:
                 raise RuntimeError("recv() called concurrently on one connection")
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = w = self._loop.create_future()
             try:
-                await self._waiter
+                await w
             finally:
                 self._waiter = None
-        f = self._queue.popleft()
-        if self._reading_paused and len(self._queue) <= self._max_queued // 2 and self._transport is not None:
+        f = q.popleft()
+        if self._reading_paused and len(q) <= self._max_queued // 2 and self._transport is not None:
             self._reading_paused = False
             self._transport.resume_reading()
         return f
@@ -254,10 +342,24 @@ class Connection:
         return self
 
     async def __anext__(self) -> Frame:
-        try:
-            return await self.recv()
-        except ConnectionClosed:
-            raise StopAsyncIteration from None
+        q = self._queue
+        while not q:  # (recv(), inlined, ending the iteration where recv() raises ConnectionClosed)
+            if self._error is not None:
+                raise self._error
+            if self._close_reason is not None:
+                raise StopAsyncIteration
+            if self._waiter is not None:
+                raise RuntimeError("recv() called concurrently on one connection")
+            self._waiter = w = self._loop.create_future()
+            try:
+                await w
+            finally:
+                self._waiter = None
+        f = q.popleft()
+        if self._reading_paused and len(q) <= self._max_queued // 2 and self._transport is not None:
+            self._reading_paused = False
+            self._transport.resume_reading()
+        return f
 
     def close(self, reason: str = "closed by this node", *, abort: bool = False) -> None:
         if self._close_reason is None:
@@ -303,21 +405,57 @@ class Connection:
         await self._write(chunks)
         if count:
             self.frames_sent += 1
-        self.bytes_sent += sum(memoryview(c).nbytes for c in chunks)
+        self.bytes_sent += sum(map(len, chunks))
         if count and f.close_after is not None and self.frames_sent >= f.close_after:
             self._fail_closed(f"fault injection: closed after {f.close_after} frames")
 
+    def _write_now(self, chunks: list[Any]) -> int:
+        """Write as much of `chunks` as the kernel takes now, straight to the socket with one writev (no
+        copy, none of the transport's per-chunk work) while the transport has nothing buffered; returns
+        the number of bytes written (0 where this is not possible: the transport then gets them all)."""
+        fd = self._fd
+        if fd < 0 or len(chunks) > _IOV_MAX or self._transport.get_write_buffer_size():
+            return 0
+        try:
+            return _writev(fd, chunks)
+        except (BlockingIOError, InterruptedError):
+            return 0
+        except OSError as e:
+            self._fail_closed(f"send failed: {e}")
+            raise ConnectionClosed(self._close_reason) from None
+
     async def _write(self, chunks: list[Any]) -> None:
+        n = self._write_now(chunks)
+        if n != sum(map(len, chunks)):
+            await self._write_rest(chunks, n)
+
+    async def _write_rest(self, chunks: list[Any], n: int) -> None:
+        """Write what is left of `chunks` after the first `n` bytes, returning once the kernel has it all."""
+        rest = _skip(chunks, n)
         if self._raw_sock is None:
-            self._transport.writelines(chunks)
-            await self._drain()
+            self._transport.writelines(rest)
+            if self._write_paused or self._close_reason is not None:
+                await self._drain()
             return
         # CPython < 3.12 selector transport: its writelines() joins (copies) the chunks and its buffer
         # copies again. Write them ourselves with sendmsg (zero copy) while the transport's own buffer
         # stays empty, waiting for writability on the socket when the kernel buffer is full.
-        sock, loop = self._raw_sock, asyncio.get_running_loop()
-        views = collections.deque(v for v in (memoryview(c).cast("B") for c in chunks) if v.nbytes)
+        sock, loop = self._raw_sock, self._loop
+        views = collections.deque(v for v in (memoryview(c).cast("B") for c in rest) if v.nbytes)
         while views:
+            if self._close_reason is not None:
+                raise ConnectionClosed(self._close_reason)
+            fut = loop.create_future()
+            self._writable_waiter = fut
+            loop._add_writer(sock.fileno(), _set_done, fut)  # type: ignore[attr-defined]
+            try:
+                await fut
+            finally:
+                self._writable_waiter = None
+                if sock.fileno() >= 0:
+                    loop._remove_writer(sock.fileno())  # type: ignore[attr-defined]
+            if self._close_reason is not None:
+                raise ConnectionClosed(self._close_reason)
             batch = [views[i] for i in range(min(len(views), _IOV_MAX))]
             try:
                 n = sock.sendmsg(batch)
@@ -332,20 +470,6 @@ class Connection:
                 else:
                     views[0] = views[0][n:]
                     n = 0
-            if views:
-                if self._close_reason is not None:
-                    raise ConnectionClosed(self._close_reason)
-                fut = loop.create_future()
-                self._writable_waiter = fut
-                loop._add_writer(sock.fileno(), _set_done, fut)  # type: ignore[attr-defined]
-                try:
-                    await fut
-                finally:
-                    self._writable_waiter = None
-                    if sock.fileno() >= 0:
-                        loop._remove_writer(sock.fileno())  # type: ignore[attr-defined]
-                if self._close_reason is not None:
-                    raise ConnectionClosed(self._close_reason)
 
     async def _drain(self) -> None:
         if self._transport is None:
@@ -378,6 +502,11 @@ class Connection:
         sock = transport.get_extra_info("socket")
         if sock is not None:
             tune_socket(sock)
+            if _writev is not None:
+                try:
+                    self._fd = sock.fileno()
+                except (AttributeError, OSError):  # pragma: no cover
+                    self._fd = -1
         peer = transport.get_extra_info("peername")
         if peer:
             self.peer_addr = (peer[0], peer[1])
@@ -398,14 +527,15 @@ class Connection:
                 self._queue.append(f)
             self._protocol_error(e)
             return
-        for f in frames:
-            self.frames_received += 1
-            self._queue.append(f)
         if frames:
+            self.frames_received += len(frames)
+            self._queue.extend(frames)
             if len(self._queue) >= self._max_queued and not self._reading_paused and self._transport is not None:
                 self._reading_paused = True
                 self._transport.pause_reading()
-            self._wake()
+            w = self._waiter
+            if w is not None and not w.done():
+                w.set_result(None)
 
     def _protocol_error(self, e: ProtocolError) -> None:
         if self._error is None and self._close_reason is None:

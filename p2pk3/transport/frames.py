@@ -15,22 +15,30 @@ No pickle: headers are msgpack with string keys, no ext types, only nil/bool/int
 This module never imports torch: tensors travel as bytes-like objects (memoryview, bytearray, numpy).
 
 Sending never copies tensor data: `encode()` returns the chunks (one small prefix+header buffer, then
-the caller's buffers with zero padding between them) for `transport.writelines` / `socket.sendmsg`.
+the caller's buffers with zero padding between them) for `os.writev` / `transport.writelines`. A
+received frame keeps its header bytes (`Frame.wire`), so a stage passing it on sends them and its
+payload as they came in (`encode(frame, forward=True)`), without packing the header again.
 Receiving: `FrameDecoder` is a sans-IO state machine for an `asyncio.BufferedProtocol`. The prefix and
-header go through a small staging buffer; the payload gets ONE allocation of exactly `payload_len`
-bytes (after all limits are checked) and the socket reads straight into it. Received tensors are
-memoryviews into that payload.
+header go through a small staging buffer; the payload gets ONE buffer of exactly `payload_len` bytes
+(after all limits are checked) and the socket reads straight into it (page-aligned and recycled for
+large payloads, see FrameDecoder). Received tensors are memoryviews into that payload.
+Per frame, header validation costs one msgpack unpack, a scan of the header bytes (which spares the
+walk over the header's values unless it holds bin data or deep nesting) and the tensor descriptor checks.
 """
 from __future__ import annotations
 
 import math
 import struct
+import sys
+import threading
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import msgpack
 import numpy as np
+
+_unpackb = msgpack.unpackb
 
 MAGIC = b"P2K3"
 VERSION = 1
@@ -45,6 +53,9 @@ ALIGN = 64  # tensor offsets inside the payload, as encoded by us (receivers acc
 MAX_TENSORS = 4096
 MAX_NDIM = 8
 _ZEROS = bytes(ALIGN)
+_PADS = [_ZEROS[:i] for i in range(ALIGN)]
+_ALIGN_M1 = ALIGN - 1
+_ALIGN_MASK = -ALIGN
 
 # dtype name -> itemsize. Names follow torch (without the "torch." prefix).
 DTYPES: dict[str, int] = {
@@ -54,6 +65,7 @@ DTYPES: dict[str, int] = {
 }
 # numpy view of each dtype. numpy has no bfloat16 / float8: they are returned as raw integers of the
 # same width (torch: `torch.frombuffer(mv, dtype=torch.bfloat16)` reads them directly).
+_DTYPE_SIZE = DTYPES  # (alias used on the hot path)
 _NUMPY: dict[str, str] = {
     "bool": "bool", "uint8": "uint8", "int8": "int8", "int16": "int16", "uint16": "uint16",
     "int32": "int32", "uint32": "uint32", "int64": "int64", "uint64": "uint64", "float16": "float16",
@@ -75,7 +87,7 @@ class ProtocolError(Exception):
 # ------------------------------------------------------------------------------------------ tensors
 def tensor_desc(name: str, dtype: str, shape: Sequence[int], offset: int | None = None,
                 nbytes: int | None = None) -> dict[str, Any]:
-    """A tensor descriptor for a header's `tensors` list. `offset` is filled in by `encode`."""
+    """A tensor descriptor for a header's `tensors` list. `offset` is filled in by `Frame.make` / `encode`."""
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(DTYPES)}")
     shp = [int(s) for s in shape]
@@ -129,13 +141,15 @@ def _tensor_arg(name: str, t: Any) -> tuple[dict[str, Any], memoryview]:
 class Frame:
     """A header (msgpack-able dict with `kind`) and the tensor buffers described by header["tensors"].
 
-    For sending, `buffers[i]` is the data of `header["tensors"][i]` (offsets are assigned by `encode`).
-    For received frames, `buffers[i]` is a memoryview into the single payload buffer (`payload`).
+    For sending, `buffers[i]` is the data of `header["tensors"][i]` (offsets are assigned by `Frame.make`
+    or `encode`). For received frames, `buffers[i]` is a memoryview into the single payload buffer
+    (`payload`), and `wire` holds the header bytes as received (see `encode(..., forward=True)`).
     """
 
     header: dict[str, Any]
     buffers: list[memoryview] = field(default_factory=list)
     payload: memoryview | None = field(default=None, repr=False)
+    wire: bytes | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def make(cls, kind: str, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]] | None = None,
@@ -147,8 +161,12 @@ class Frame:
         if tensors:
             items = tensors.items() if isinstance(tensors, Mapping) else tensors
             descs = []
+            off = 0
             for name, t in items:
                 d, mv = _tensor_arg(name, t)
+                off = (off + _ALIGN_M1) & _ALIGN_MASK
+                d["offset"] = off  # laid out now, so that encode() can use the descriptors as they are
+                off += d["nbytes"]
                 descs.append(d)
                 bufs.append(mv)
             header["tensors"] = descs
@@ -191,57 +209,89 @@ class Frame:
         return sum(b.nbytes for b in self.buffers)
 
 
-def _layout(descs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
-    out, off = [], 0
-    for d in descs:
-        off = -(-off // ALIGN) * ALIGN
-        out.append({**d, "offset": off})
-        off += d["nbytes"]
-    return out, off
+_tls = threading.local()
+
+
+def _packer() -> msgpack.Packer:
+    p = getattr(_tls, "packer", None)
+    if p is None:
+        p = _tls.packer = msgpack.Packer(use_bin_type=True, autoreset=True)
+    return p
 
 
 def pack_header(header: Mapping[str, Any]) -> bytes:
     try:
-        return msgpack.packb(header, use_bin_type=True)
+        return _packer().pack(header)
     except (TypeError, ValueError, OverflowError) as e:
         raise ValueError(f"header is not msgpack-serializable without extensions: {e}") from None
 
 
-def encode(frame: Frame, *, checksum: bool = False) -> list[Any]:
-    """Chunks of the encoded frame, for `writelines`/`sendmsg`. Tensor buffers are not copied."""
+def encode(frame: Frame, *, checksum: bool = False, forward: bool = False) -> list[Any]:
+    """Chunks of the encoded frame, for `writelines`/`sendmsg`. Tensor buffers are not copied.
+
+    Descriptors whose "offset" already equals the laid-out offset (frames built by `Frame.make`,
+    received frames) are used as they are, otherwise the header is shallow-copied with the offsets
+    filled in; the caller's header is never modified.
+
+    forward=True, for a received frame (one with `wire`): the frame goes out as it came in, its header
+    bytes as received and its payload buffer, without packing the header again (the header was validated
+    on receipt). The caller vouches that header and buffers were not modified since; other frames are
+    encoded normally."""
+    if forward and frame.wire is not None and frame.payload is not None:
+        return _encode_received(frame, checksum)
     header = frame.header
-    if not isinstance(header.get("kind"), str) or not header["kind"]:
+    kind = header.get("kind")
+    if not isinstance(kind, str) or not kind:
         raise ValueError("frame header needs a non-empty string 'kind'")
-    descs = header.get("tensors") or []
-    if len(descs) != len(frame.buffers):
-        raise ValueError(f"header describes {len(descs)} tensors but {len(frame.buffers)} buffers were given")
-    bufs = [as_bytes(b) for b in frame.buffers]
-    for d, b in zip(descs, bufs):
-        if b.nbytes != d["nbytes"]:
-            raise ValueError(f"tensor {d['name']!r}: buffer has {b.nbytes} bytes, descriptor says {d['nbytes']}")
+    descs = header.get("tensors") or ()
+    bufs = frame.buffers
+    if len(descs) != len(bufs):
+        raise ValueError(f"header describes {len(descs)} tensors but {len(bufs)} buffers were given")
+    chunks: list[Any] = [b""]
+    pos = 0
     if descs:
-        laid, payload_len = _layout(descs)
-        header = {**header, "tensors": laid}
-    else:
-        laid, payload_len = [], 0
+        laid: list[dict[str, Any]] | None = None
+        for i, (d, b) in enumerate(zip(descs, bufs)):
+            if type(b) is not memoryview or b.ndim != 1 or b.format != "B" or not b.c_contiguous:
+                b = as_bytes(b)
+            nb = b.nbytes
+            if nb != d["nbytes"]:
+                raise ValueError(f"tensor {d['name']!r}: buffer has {nb} bytes, descriptor says {d['nbytes']}")
+            off = (pos + _ALIGN_M1) & _ALIGN_MASK
+            if off != pos:
+                chunks.append(_PADS[off - pos])
+            if nb:
+                chunks.append(b)
+            o = d.get("offset")
+            if type(o) is not int or o != off:  # noqa: E721 - bools and floats do not count as laid out
+                if laid is None:
+                    laid = list(descs[:i])
+                laid.append({**d, "offset": off})
+            elif laid is not None:
+                laid.append(d)
+            pos = off + nb
+        if laid is not None:
+            header = {**header, "tensors": laid}
     hb = pack_header(header)
     if len(hb) > MAX_HEADER_LEN:
         raise ValueError(f"header is {len(hb)} bytes, the limit is {MAX_HEADER_LEN}")
     flags = FLAG_CRC32 if checksum else 0
-    chunks: list[Any] = [PREFIX.pack(MAGIC, VERSION, flags, len(hb), payload_len) + hb]
-    pos = 0
-    for d, b in zip(laid, bufs):
-        pad = d["offset"] - pos
-        if pad:
-            chunks.append(_ZEROS[:pad])
-        if b.nbytes:
-            chunks.append(b)
-        pos = d["offset"] + b.nbytes
+    chunks[0] = PREFIX.pack(MAGIC, VERSION, flags, len(hb), pos) + hb
     if checksum:
         crc = zlib.crc32(hb)
         for c in chunks[1:]:
             crc = zlib.crc32(c, crc)
         chunks.append(struct.pack("<I", crc))
+    return chunks
+
+
+def _encode_received(frame: Frame, checksum: bool) -> list[Any]:
+    hb, payload = frame.wire, frame.payload
+    plen = payload.nbytes
+    head = PREFIX.pack(MAGIC, VERSION, FLAG_CRC32 if checksum else 0, len(hb), plen) + hb
+    chunks: list[Any] = [head, payload] if plen else [head]
+    if checksum:
+        chunks.append(struct.pack("<I", zlib.crc32(payload, zlib.crc32(hb))))
     return chunks
 
 
@@ -275,96 +325,194 @@ def _reject_ext(code: int, data: bytes) -> Any:
 
 
 _PLAIN = (str, bytes, int, float, bool, type(None))
+# exact types: msgpack builds exactly these (anything else, e.g. a msgpack.Timestamp, is refused)
+_SCALARS = frozenset(_PLAIN)
+_MAX_DEPTH = 32
 
 
 def _check_plain(obj: Any, depth: int = 0) -> None:
-    if depth > 32:
-        raise ProtocolError("frame header nests too deeply")
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            if not isinstance(k, str):
+    """Only string-keyed maps, lists and nil/bool/int/float/str/bin, at most _MAX_DEPTH levels deep.
+    Recurses into containers only (scalars are checked in their parent's loop)."""
+    t = type(obj)
+    if t is dict:
+        if not obj:
+            return
+        for k in obj:
+            if type(k) is not str:
                 raise ProtocolError(f"frame header map key {k!r} is not a string")
+        vals: Any = obj.values()
+    elif t is list:
+        if not obj:
+            return
+        vals = obj
+    elif t in _SCALARS:
+        return
+    else:
+        raise ProtocolError(f"frame header holds a value of type {t.__name__}")
+    if depth >= _MAX_DEPTH:
+        raise ProtocolError("frame header nests too deeply")
+    for v in vals:
+        tv = type(v)
+        if tv in _SCALARS:
+            continue
+        if tv is dict or tv is list:
             _check_plain(v, depth + 1)
-    elif isinstance(obj, list):
-        for v in obj:
-            _check_plain(v, depth + 1)
-    elif not isinstance(obj, _PLAIN):
-        raise ProtocolError(f"frame header holds a value of type {type(obj).__name__}")
+        else:
+            raise ProtocolError(f"frame header holds a value of type {tv.__name__}")
+
+
+# Byte classes for a conservative pre-check of raw header bytes (see _surely_plain): 1 for the type
+# bytes that start a bin or ext object (bin 8/16/32, ext 8/16/32, fixext 1..16), 2 for those that start
+# a map or array (fixmap, fixarray, array 16/32, map 16/32).
+_CLASS = bytearray(256)
+for _b in (0xc4, 0xc5, 0xc6, 0xc7, 0xc8, 0xc9, 0xd4, 0xd5, 0xd6, 0xd7, 0xd8):
+    _CLASS[_b] = 1
+for _b in list(range(0x80, 0xa0)) + [0xdc, 0xdd, 0xde, 0xdf]:
+    _CLASS[_b] = 2
+_CLASS = bytes(_CLASS)
+del _b
+
+
+def _surely_plain(hb: bytes) -> bool:
+    """True when the header unpacked from `hb` cannot hold a bytes key, an ext/timestamp value, or
+    containers nested deeper than _MAX_DEPTH: every bin/ext object starts with a class-1 byte and every
+    container with a class-2 byte, so if no class-1 byte and at most _MAX_DEPTH class-2 bytes occur
+    anywhere in `hb` (also counting ones inside strings and numbers), none of those can be there and
+    the walk of _check_plain would find nothing. Otherwise (e.g. a header with bin values) it runs."""
+    c = hb.translate(_CLASS)
+    return b"\x01" not in c and c.count(b"\x02") <= _MAX_DEPTH
 
 
 def decode_header(hb: bytes | memoryview, payload_len: int) -> dict[str, Any]:
     """Unpack and validate a header (structure, `kind`, tensor descriptors against `payload_len`)."""
+    if type(hb) is not bytes:
+        hb = bytes(hb)
     try:
-        header = msgpack.unpackb(hb, raw=False, strict_map_key=True, ext_hook=_reject_ext, use_list=True,
-                                 timestamp=0)
+        header = _unpackb(hb, raw=False, strict_map_key=True, ext_hook=_reject_ext, use_list=True, timestamp=0)
     except ProtocolError:
         raise
     except Exception as e:  # msgpack raises several types (ExtraData, FormatError, ValueError, ...)
         raise ProtocolError(f"frame header is not valid msgpack: {e}") from None
-    if not isinstance(header, dict):
+    if type(header) is not dict:
         raise ProtocolError(f"frame header is a {type(header).__name__}, expected a map")
-    _check_plain(header)
+    c = hb.translate(_CLASS)  # _surely_plain, inlined
+    if b"\x01" in c or c.count(b"\x02") > _MAX_DEPTH:
+        _check_plain(header)
     kind = header.get("kind")
-    if not isinstance(kind, str) or not kind:
+    if type(kind) is not str or not kind:
         raise ProtocolError("frame header has no string 'kind'")
-    validate_tensors(header, payload_len)
+    descs = header.get("tensors")
+    if descs is not None:
+        validate_tensors(header, payload_len)
     return header
+
+
+def _bad_tensor(i: int, name: Any, msg: str) -> ProtocolError:
+    where = f"tensor {name!r}" if isinstance(name, str) else f"tensor descriptor {i}"
+    return ProtocolError(f"{where}: {msg}")
 
 
 def validate_tensors(header: Mapping[str, Any], payload_len: int) -> list[dict[str, Any]]:
     descs = header.get("tensors", [])
-    if not isinstance(descs, list):
+    if type(descs) is not list:
         raise ProtocolError("'tensors' must be a list")
     if len(descs) > MAX_TENSORS:
         raise ProtocolError(f"{len(descs)} tensors in one frame (limit {MAX_TENSORS})")
-    names = set()
+    names: set[str] = set()
     for i, d in enumerate(descs):
-        if not isinstance(d, dict):
+        if type(d) is not dict:
             raise ProtocolError(f"tensor descriptor {i} is not a map")
-        name, dtype, shape, off, n = (d.get(k) for k in ("name", "dtype", "shape", "offset", "nbytes"))
-        where = f"tensor {name!r}" if isinstance(name, str) else f"tensor descriptor {i}"
-        if not isinstance(name, str) or not name:
-            raise ProtocolError(f"{where}: missing name")
+        name, dtype, shape, off, n = d.get("name"), d.get("dtype"), d.get("shape"), d.get("offset"), d.get("nbytes")
+        if type(name) is not str or not name:
+            raise _bad_tensor(i, name, "missing name")
         if name in names:
-            raise ProtocolError(f"{where}: duplicate tensor name")
+            raise _bad_tensor(i, name, "duplicate tensor name")
         names.add(name)
-        if dtype not in DTYPES:
-            raise ProtocolError(f"{where}: unknown dtype {dtype!r}")
-        if (not isinstance(shape, list) or len(shape) > MAX_NDIM
-                or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)):
-            raise ProtocolError(f"{where}: bad shape {shape!r}")
-        for k, v in (("offset", off), ("nbytes", n)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ProtocolError(f"{where}: bad {k} {v!r}")
-        want = math.prod(shape) * DTYPES[dtype]
-        if n != want:
-            raise ProtocolError(f"{where}: nbytes {n} != prod({shape}) * {DTYPES[dtype]} = {want}")
+        want = _DTYPE_SIZE.get(dtype) if type(dtype) is str else None
+        if want is None:
+            raise _bad_tensor(i, name, f"unknown dtype {dtype!r}")
+        if type(shape) is not list or len(shape) > MAX_NDIM:
+            raise _bad_tensor(i, name, f"bad shape {shape!r}")
+        for s in shape:
+            if type(s) is not int or s < 0:  # exact int: bools are refused
+                raise _bad_tensor(i, name, f"bad shape {shape!r}")
+            want *= s
+        if type(off) is not int or off < 0:
+            raise _bad_tensor(i, name, f"bad offset {off!r}")
+        if n != want or type(n) is not int:
+            if type(n) is not int or n < 0:
+                raise _bad_tensor(i, name, f"bad nbytes {n!r}")
+            raise _bad_tensor(i, name, f"nbytes {n} != prod({shape}) * {DTYPES[dtype]} = {want}")
         if off + n > payload_len:
-            raise ProtocolError(f"{where}: bytes [{off}, {off + n}) lie outside the {payload_len}-byte payload")
+            raise _bad_tensor(i, name, f"bytes [{off}, {off + n}) lie outside the {payload_len}-byte payload")
     return descs
 
 
+_PAGE = 4096
+
+
+def _aligned_empty(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(base, view): n bytes of uninitialised memory starting on a page boundary, and the array owning them.
+
+    Alignment matters for receiving: the kernel's copy into a buffer that starts a few bytes past a page
+    boundary (where malloc puts every large block: 16 bytes in) runs at half speed or worse on x86, and
+    that is exactly where a plain np.empty / bytearray of a megabyte or more lands."""
+    base = np.empty(n + _PAGE, dtype=np.uint8)
+    off = -base.__array_interface__["data"][0] % _PAGE
+    return base, base[off:off + n]
+
+
 def default_alloc(n: int) -> memoryview:
-    """The payload buffer: uninitialised memory (no zero fill; pages are committed as the socket writes)."""
-    return memoryview(np.empty(n, dtype=np.uint8))
+    """The payload buffer: uninitialised, page-aligned memory (no zero fill; pages are committed as the
+    socket writes)."""
+    return memoryview(_aligned_empty(n)[1])
 
 
 _PREFIX, _HEADER, _PAYLOAD, _TRAILER = range(4)
+_EMPTY = memoryview(b"")
+_unpack_prefix = PREFIX.unpack_from
+POOL_MIN = 64 << 10  # payloads from this size on are read into (recycled, page-aligned) pool buffers
+
+
+def _refs(lst: list, i: int) -> int:
+    return sys.getrefcount(lst[i])
+
+
+def _calibrate_refs() -> int | None:
+    """What `_refs` says for an object only a list holds (None: refcounts are not reliable here)."""
+    lst = [np.empty(1, np.uint8)]
+    free = _refs(lst, 0)
+    held = lst[0]
+    ok = _refs(lst, 0) == free + 1
+    del held
+    return free if ok and _refs(lst, 0) == free else None
+
+
+_FREE_REFS = _calibrate_refs()
 
 
 class FrameDecoder:
     """Sans-IO frame reader for `asyncio.BufferedProtocol`: `get_buffer()` says where the socket should
     read next, `buffer_updated(n)` returns the frames completed by those n bytes (or raises ProtocolError;
-    the decoder is then dead). The payload of each frame is one allocation of exactly `payload_len`
-    bytes, made after the limits are checked; while a payload is being read `get_buffer()` returns the
-    unfilled part of it, so the kernel writes the data straight into its final place."""
+    the decoder is then dead). The payload of each frame is one buffer of exactly `payload_len` bytes,
+    obtained after the limits are checked; while a payload is being read `get_buffer()` returns the
+    unfilled part of it, so the kernel writes the data straight into its final place.
+
+    Payload buffers with the default allocator: a small payload that arrived whole with its header is
+    copied out of the staging buffer into a new bytearray; other payloads under POOL_MIN get a new numpy
+    buffer. Payloads of POOL_MIN bytes or more are read into page-aligned buffers (see _aligned_empty)
+    from a pool of up to `pool` recycled ones: a pooled buffer is reused once nothing but the pool
+    references it (every frame, memoryview, numpy array or tensor over it is gone), so a stream of
+    large frames neither page-faults fresh memory nor pays for the allocation each time. The pool keeps
+    at most `pool` buffers (the most recently used) alive; `pool=0` disables it. A custom `alloc`
+    replaces all of this."""
 
     def __init__(self, *, max_header: int = MAX_HEADER_LEN, max_payload: int = DEFAULT_MAX_PAYLOAD,
-                 alloc: Callable[[int], Any] | None = None, staging_size: int = 64 << 10):
+                 alloc: Callable[[int], Any] | None = None, staging_size: int = 256 << 10, pool: int = 2):
         self.max_header = max_header
         self.max_payload = max_payload
         self.alloc = alloc or default_alloc
-        self._stage = bytearray(max(staging_size, PREFIX_SIZE + 64))
+        self._stage = _aligned_empty(max(staging_size, PREFIX_SIZE + 64))[1]
         self._smv = memoryview(self._stage)
         self._r = 0  # read position in staging
         self._w = 0  # write position in staging
@@ -374,6 +522,9 @@ class FrameDecoder:
         self._header: dict[str, Any] | None = None
         self._payload: memoryview | None = None
         self._pfill = 0
+        self._pool: list[np.ndarray] = []  # base arrays; _pool_off: where the page-aligned part starts
+        self._pool_off: list[int] = []
+        self._pool_max = pool if _FREE_REFS is not None else 0
         self.error: ProtocolError | None = None
         self.frames_decoded = 0
         self.bytes_received = 0
@@ -383,17 +534,17 @@ class FrameDecoder:
         return {_PREFIX: PREFIX_SIZE, _HEADER: self._hlen, _TRAILER: TRAILER_SIZE}.get(self._state, 0)
 
     def get_buffer(self, sizehint: int = -1) -> memoryview:
+        if self._state == _PAYLOAD and self.error is None:
+            return self._payload[self._pfill:]
         if self.error is not None:
             raise self.error
-        if self._state == _PAYLOAD:
-            return self._payload[self._pfill:]
         if self._w == len(self._stage):
             # compact, and grow if one header does not fit (bounded by max_header, checked already)
             avail = self._w - self._r
             need = max(self._need_stage(), avail + 1)
             if need > len(self._stage):
                 # a new buffer (the old one may still be exported to the transport)
-                new = bytearray(max(need, 2 * len(self._stage)))
+                new = _aligned_empty(max(need, 2 * len(self._stage)))[1]
                 new[:avail] = self._smv[self._r:self._w]
                 self._stage, self._smv = new, memoryview(new)
             elif self._r:
@@ -409,8 +560,9 @@ class FrameDecoder:
         try:
             if self._state == _PAYLOAD:
                 self._pfill += n
-                if self._pfill == self._plen:
-                    self._after_payload(out)
+                if self._pfill < self._plen:
+                    return out
+                self._after_payload(out)
             else:
                 self._w += n
             self._run(out)
@@ -433,56 +585,115 @@ class FrameDecoder:
         return out
 
     def _run(self, out: list[Frame]) -> None:
-        while True:
-            avail = self._w - self._r
-            if self._state == _PREFIX:
-                if avail < PREFIX_SIZE:
+        smv = self._smv
+        r, w = self._r, self._w
+        try:
+            while True:
+                avail = w - r
+                state = self._state
+                if state == _PREFIX:
+                    if avail < PREFIX_SIZE:
+                        break
+                    magic, version, flags, hlen, plen = _unpack_prefix(smv, r)
+                    if (magic != MAGIC or version != VERSION or flags & ~KNOWN_FLAGS or not hlen
+                            or hlen > self.max_header or plen > self.max_payload):
+                        parse_prefix(smv[r:r + PREFIX_SIZE], max_header=self.max_header,
+                                     max_payload=self.max_payload)  # raises the precise error
+                    h0 = r + PREFIX_SIZE
+                    end = h0 + hlen
+                    if not flags and end + plen <= w and plen < POOL_MIN and self.alloc is default_alloc:
+                        # fast path: the whole (small) frame is in staging
+                        hb = bytes(smv[h0:end])
+                        header = decode_header(hb, plen)
+                        r = end + plen
+                        payload = memoryview(bytearray(smv[end:r])) if plen else _EMPTY
+                        descs = header.get("tensors")
+                        bufs = [payload[d["offset"]:d["offset"] + d["nbytes"]] for d in descs] if descs else []
+                        out.append(Frame(header, bufs, payload, hb))
+                        self.frames_decoded += 1
+                        continue
+                    self._flags, self._hlen, self._plen = flags, hlen, plen
+                    r = h0
+                    self._state = _HEADER
+                elif state == _HEADER:
+                    hlen = self._hlen
+                    if avail < hlen:
+                        break
+                    hb = bytes(smv[r:r + hlen])
+                    plen = self._plen
+                    self._header = decode_header(hb, plen)
+                    self._hbytes = hb
+                    r += hlen
+                    avail -= hlen
+                    if plen == 0:
+                        self._payload = _EMPTY
+                        self._pfill = 0
+                        self._after_payload(out)
+                        continue
+                    if avail >= plen and plen < POOL_MIN and self.alloc is default_alloc:
+                        # the whole (small) payload is here: one allocation of exactly plen bytes
+                        self._payload = memoryview(bytearray(smv[r:r + plen]))
+                        r += plen
+                        self._pfill = plen
+                        self._after_payload(out)
+                        continue
+                    self._payload = payload = self._alloc(plen)
+                    k = avail if avail < plen else plen
+                    if k:
+                        payload[:k] = smv[r:r + k]
+                        r += k
+                    self._pfill = k
+                    self._state = _PAYLOAD
+                    if k == plen:
+                        self._after_payload(out)
+                        continue
+                    break  # the rest of the payload is read directly into self._payload
+                elif state == _TRAILER:
+                    if avail < TRAILER_SIZE:
+                        break
+                    (crc,) = struct.unpack_from("<I", smv, r)
+                    r += TRAILER_SIZE
+                    got = zlib.crc32(self._payload, zlib.crc32(self._hbytes))
+                    if got != crc:
+                        raise ProtocolError(f"frame checksum mismatch (crc32 0x{got:08x} != 0x{crc:08x}): "
+                                            "corrupted in transit")
+                    self._emit(out)
+                else:  # _PAYLOAD, more to read
                     break
-                self._flags, self._hlen, self._plen = parse_prefix(
-                    self._smv[self._r:self._r + PREFIX_SIZE], max_header=self.max_header, max_payload=self.max_payload)
-                self._r += PREFIX_SIZE
-                self._state = _HEADER
-            elif self._state == _HEADER:
-                if avail < self._hlen:
-                    break
-                hb = bytes(self._smv[self._r:self._r + self._hlen])
-                self._r += self._hlen
-                self._header = decode_header(hb, self._plen)
-                self._hbytes = hb if self._flags & FLAG_CRC32 else b""
-                if self._plen == 0:
-                    self._payload = memoryview(b"")
-                    self._pfill = 0
-                    self._after_payload(out)
-                    continue
-                buf = self.alloc(self._plen)
-                mv = buf if isinstance(buf, memoryview) else memoryview(buf)
-                mv = mv.cast("B") if (mv.format != "B" or mv.ndim != 1) else mv
-                if mv.nbytes < self._plen or mv.readonly:
-                    raise ProtocolError("payload allocator returned a too small or read-only buffer")
-                self._payload = mv[:self._plen]
-                k = min(self._w - self._r, self._plen)
-                if k:
-                    self._payload[:k] = self._smv[self._r:self._r + k]
-                    self._r += k
-                self._pfill = k
-                self._state = _PAYLOAD
-                if k == self._plen:
-                    self._after_payload(out)
-                    continue
-                break  # the rest of the payload is read directly into self._payload
-            elif self._state == _TRAILER:
-                if avail < TRAILER_SIZE:
-                    break
-                (crc,) = struct.unpack_from("<I", self._smv, self._r)
-                self._r += TRAILER_SIZE
-                got = zlib.crc32(self._payload, zlib.crc32(self._hbytes))
-                if got != crc:
-                    raise ProtocolError(f"frame checksum mismatch (crc32 0x{got:08x} != 0x{crc:08x}): corrupted in transit")
-                self._emit(out)
-            else:  # _PAYLOAD, more to read
-                break
-        if self._r == self._w:
-            self._r = self._w = 0
+        finally:
+            if r == w:
+                r = w = 0
+            self._r, self._w = r, w
+
+    def _alloc(self, n: int) -> memoryview:
+        if self.alloc is default_alloc:
+            if n >= POOL_MIN and self._pool_max:
+                return self._pooled(n)
+            return memoryview(np.empty(n, dtype=np.uint8))
+        buf = self.alloc(n)
+        mv = buf if isinstance(buf, memoryview) else memoryview(buf)
+        mv = mv.cast("B") if (mv.format != "B" or mv.ndim != 1) else mv
+        if mv.nbytes < n or mv.readonly:
+            raise ProtocolError("payload allocator returned a too small or read-only buffer")
+        return mv[:n]
+
+    def _pooled(self, n: int) -> memoryview:
+        """A free pooled buffer of n .. n + n/8 bytes, else a new one (which joins the pool, evicting the
+        least recently used). Free: only the pool references it (refcount, see _calibrate_refs)."""
+        pool, offs = self._pool, self._pool_off
+        for i in range(len(pool)):
+            if _refs(pool, i) == _FREE_REFS and n <= pool[i].size - _PAGE <= n + (n >> 3):
+                base, off = pool.pop(i), offs.pop(i)
+                pool.append(base)
+                offs.append(off)
+                return memoryview(base[off:off + n])
+        if len(pool) >= self._pool_max:
+            del pool[0], offs[0]
+        base = np.empty(n + _PAGE, dtype=np.uint8)
+        off = -base.__array_interface__["data"][0] % _PAGE
+        pool.append(base)
+        offs.append(off)
+        return memoryview(base[off:off + n])
 
     def _after_payload(self, out: list[Frame]) -> None:
         if self._flags & FLAG_CRC32:
@@ -492,8 +703,9 @@ class FrameDecoder:
 
     def _emit(self, out: list[Frame]) -> None:
         header, payload = self._header, self._payload
-        bufs = [payload[d["offset"]:d["offset"] + d["nbytes"]] for d in header.get("tensors", [])]
-        out.append(Frame(header, bufs, payload))
+        descs = header.get("tensors")
+        bufs = [payload[d["offset"]:d["offset"] + d["nbytes"]] for d in descs] if descs else []
+        out.append(Frame(header, bufs, payload, self._hbytes))
         self.frames_decoded += 1
         self._header = self._payload = None
         self._hbytes = b""
