@@ -182,7 +182,7 @@ class NodeDaemon:
     def is_alone(self) -> bool:
         return len(self.topo.active) == 1
 
-    async def _send_next(self, frame: Frame) -> None:
+    async def _send_next(self, frame: Frame, *, as_received: bool = False) -> None:
         async with self._next_lock:
             tries = 300 if self.discovery is not None else 50  # discovery may still be converging
             for attempt in range(tries):
@@ -198,7 +198,10 @@ class NodeDaemon:
                         await asyncio.sleep(0.1)
                         continue
                 try:
-                    await self._next_conn.send(frame)
+                    if as_received:  # pass a received frame on without re-encoding it
+                        await self._next_conn.forward(frame)
+                    else:
+                        await self._next_conn.send(frame)
                     return
                 except (ConnectionClosed, TransportError, OSError) as e:
                     log.warning("lost the connection to the ring successor: %s", e)
@@ -231,7 +234,7 @@ class NodeDaemon:
                 elif kind == "result":
                     if self.entry is None:  # an error result on its way to the entry: pass it on
                         parse_result(f)
-                        await self._send_next(f)
+                        await self._send_next(f, as_received=True)
                         continue
                     results = parse_result(f)
                     logits = torch_tensor(f, "logits", "cpu") if f.has("logits") else None
