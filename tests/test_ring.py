@@ -162,6 +162,10 @@ def test_wrong_secret_bad_frames_and_unknown_session_leave_the_ring_serving(ckpt
             f = forward_frame([{"session": "ghost", "epoch": 0, "start_pos": 5, "n_tokens": 1}],
                               np.zeros((1, D), np.float32), np.zeros((2, 1, D), np.float32), layer=3)
             await peer.send(f)
+            # 2b. a well-formed frame whose hidden width is wrong for the model (fails inside the stage)
+            await peer.send(forward_frame([{"session": "wide", "epoch": 0, "start_pos": 0, "n_tokens": 2}],
+                                          np.zeros((2, D + 3), np.float32), np.zeros((2, 2, D + 3), np.float32),
+                                          layer=3))
             # 3. garbage bytes (bad magic) and 4. an oversized length prefix on raw sockets
             for payload in (b"GARBAGE!" * 8, b"P2K3\x01\x00" + (2**31).to_bytes(4, "little") + (2**62).to_bytes(8, "little")):
                 r, w = await asyncio.open_connection("127.0.0.1", s1.port)
@@ -185,15 +189,17 @@ def test_wrong_secret_bad_frames_and_unknown_session_leave_the_ring_serving(ckpt
             # the ring still serves a new session after all this
             second = (await c.generate(TOKS[:5], SamplingParams(max_tokens=4))).tokens
             c.close()
-            return first, second, ring.daemons[1].stats["errors"]
+            leaked = ring.daemons[1].runner.cache.has("wide")
+            return first, second, ring.daemons[1].stats["errors"], leaked
 
     with caplog.at_level("WARNING"):
-        first, second, errors = run(go())
+        first, second, errors, leaked = run(go())
     assert first == want and second == want
-    assert errors >= 2
+    assert errors >= 3 and not leaked
     text = caplog.text
     assert "ghost" in text  # unknown session reported with its id
     assert "prefix shape" in text
+    assert "unexpected failure of a batch" in text  # the wrong-width hop, logged with its reason
 
 
 def test_busy_when_sessions_run_out(ckpt):

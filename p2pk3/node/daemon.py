@@ -293,9 +293,20 @@ class NodeDaemon:
                     break
                 works.append(nxt)
                 n += nxt.n_tokens
-            await self._run_works(loop, works)
-            for fr in pending_free:
-                await self._do_free(fr)
+            try:
+                await self._run_works(loop, works)
+                for fr in pending_free:
+                    await self._do_free(fr)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the worker must survive anything one batch does
+                self.stats["errors"] += 1
+                log.exception("slot %s: batch failed", self.slot_id)
+                for w in works:
+                    try:
+                        await self._report_errors(w, RuntimeError(f"slot {self.slot_id} failed: {e}"))
+                    except Exception:
+                        log.warning("slot %s: could not report the failure to the entry", self.slot_id)
 
     async def _run_works(self, loop, works: list[Work]) -> None:
         groups = [works]
@@ -306,7 +317,7 @@ class NodeDaemon:
             try:
                 out = await loop.run_in_executor(self._executor, self.runner.run, merge(group))
                 outs = [(group, out)]
-            except RECOVERABLE as e:
+            except Exception as e:  # CacheFull, SessionError, ExpertNotHeld, or a bad hop's shapes
                 if len(group) == 1:
                     await self._report_errors(group[0], e)
                     continue
@@ -314,7 +325,7 @@ class NodeDaemon:
                 for w in group:
                     try:
                         outs.append(([w], await loop.run_in_executor(self._executor, self.runner.run, w)))
-                    except RECOVERABLE as e1:
+                    except Exception as e1:
                         await self._report_errors(w, e1)
             self.stats["busy_s"] += time.perf_counter() - t0
             for g, out in outs:
@@ -336,8 +347,11 @@ class NodeDaemon:
 
     async def _report_errors(self, work: Work, e: Exception) -> None:
         self.stats["errors"] += 1
-        msg = str(e)
-        log.warning("slot %s: %s", self.slot_id, msg)
+        msg = str(e) if isinstance(e, RECOVERABLE) else f"{type(e).__name__}: {e}"
+        if isinstance(e, RECOVERABLE):
+            log.warning("slot %s: %s", self.slot_id, msg)
+        else:
+            log.error("slot %s: unexpected failure of a batch: %s", self.slot_id, msg, exc_info=e)
         results = [{"session": s.session, "epoch": s.epoch, "pos": s.start_pos, "token": 0, "error": msg}
                    for s in work.segments]
         # the stage frees nothing it did not open; the entry frees the sessions along the ring
