@@ -98,7 +98,7 @@ def _topology_model_dir(topo) -> Path:
 @main.command()
 @click.option("--topology", "topology_path", required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--slot", help="the slot this daemon claims")
-@click.option("--standby", is_flag=True, help="run as a hot spare (holds no layers)")
+@click.option("--standby", is_flag=True, help="run as a spare on a standby slot (holds no layers; fail-over is the next step)")
 @click.option("--host", default=None, help="listen address (default: the slot's host, else 0.0.0.0)")
 @click.option("--port", type=int, default=None)
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
@@ -126,11 +126,14 @@ def node(topology_path, slot, standby, host, port, dtype, device, max_sessions, 
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         topo = Topology.load(topology_path)
-        if standby:
-            raise click.UsageError("standby daemons (hot spares) are not implemented yet: run with --slot")
+        if standby and not slot:
+            if not topo.standby:
+                raise click.UsageError(f"{topology_path} has no standby slots")
+            slot = topo.standby[0].id
         if not slot:
-            raise click.UsageError("--slot is required")
-        topo.slot(slot)
+            raise click.UsageError("give --slot ID, or --standby to run as a spare")
+        if standby and not topo.slot(slot).standby:
+            raise click.UsageError(f"slot {slot} is not a standby slot")
         secret = topo.secret()
     except TopologyError as e:
         raise click.ClickException(str(e))

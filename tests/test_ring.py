@@ -259,3 +259,30 @@ def test_second_claimant_of_a_slot_is_refused(ckpt):
             return r.tokens
 
     assert len(run(go())) == 3
+
+
+def test_standby_node_joins_and_holds_nothing(ckpt):
+    topo = topo_even(ckpt, 2)
+    from p2pk3.topology import Slot
+
+    port = free_ports(1)[0]
+    topo.slots.append(Slot("spare0", None, 2, "127.0.0.1", port, standby=True))
+    topo = Topology.from_dict(topo.to_dict())
+
+    async def go():
+        async with Ring(topo, ckpt) as ring:
+            spare = NodeDaemon(ring.topo, "spare0", model_dir=ckpt, secret=ring.secret)
+            await spare.start()
+            try:
+                c = await Client.connect("127.0.0.1", port, ring.secret)
+                st = await c.status()
+                c.close()
+                assert spare.runner is None and st["standby"] is True and st["epoch"] == 1
+                c = await ring.client()
+                r = await c.generate(TOKS[:4], SamplingParams(max_tokens=3))
+                c.close()
+                return r.tokens
+            finally:
+                await spare.stop()
+
+    assert len(run(go())) == 3

@@ -86,14 +86,16 @@ class NodeDaemon:
             configure_cpu_threads(cfg)
         for w in self.topo.validate(cfg):  # raises TopologyError naming every problem
             log.warning("topology: %s", w)
-        tp = self.topo.stage_plan(self.slot, cfg)
-        self.tplan = tp
-        plan = model_plan(tp, cfg)
-        stage = await loop.run_in_executor(self._executor, load_stage, self.model_dir, plan, self.dtype, self.device, cfg)
-        self.runner = StageRunner(stage, stage.new_cache(self.max_sessions, self.max_tokens))
-        if plan.embed:
-            self.entry = Entry(self._submit_local, self._free_from_entry, prefill_chunk=self.prefill_chunk,
-                               max_batch_tokens=self.max_batch_tokens, max_sessions=self.max_sessions)
+        if not self.slot.standby:
+            tp = self.topo.stage_plan(self.slot, cfg)
+            self.tplan = tp
+            plan = model_plan(tp, cfg)
+            stage = await loop.run_in_executor(self._executor, load_stage, self.model_dir, plan, self.dtype,
+                                               self.device, cfg)
+            self.runner = StageRunner(stage, stage.new_cache(self.max_sessions, self.max_tokens))
+            if plan.embed:
+                self.entry = Entry(self._submit_local, self._free_from_entry, prefill_chunk=self.prefill_chunk,
+                                   max_batch_tokens=self.max_batch_tokens, max_sessions=self.max_sessions)
         self.server = await serve(self.host, self.port, self.secret, self.node_id, self._handle)
         self.port = self.server.port
         try:
@@ -103,8 +105,11 @@ class NodeDaemon:
         except BaseException:
             await self.stop()
             raise
+        if self.slot.standby:  # a spare: up, discovered, claimed, holding no layers (fail-over: next step)
+            log.info("standby slot %s up on %s:%d (holds no layers)", self.slot_id, self.host, self.port)
+            return
         self._tasks.append(asyncio.create_task(self._worker(), name=f"stage-{self.slot_id}"))
-        log.info("slot %s serving on %s:%d: %s", self.slot_id, self.host, self.port, tp.describe())
+        log.info("slot %s serving on %s:%d: %s", self.slot_id, self.host, self.port, self.tplan.describe())
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -125,6 +130,7 @@ class NodeDaemon:
         self.discovery = Discovery(c.name, self.secret, self.node_id, port=self.port, host=adv,
                                    beacon_port=c.beacon_port, beacon_addrs=c.beacon_addrs,
                                    static=self.topo.static_addresses(), claims=self.claims,
+                                   standby=self.slot.standby,
                                    interval=0.5 if self.claim_wait < 1.5 else 1.0)
         if self.drop_beacons:
             self.discovery._on_datagram = lambda data, addr: None
@@ -223,6 +229,8 @@ class NodeDaemon:
             async for f in conn:
                 self.stats["frames_in"] += 1
                 kind = f.kind
+                if kind in ("forward", "result", "free") and self.runner is None:
+                    raise ProtocolError(f"{kind} frame sent to standby slot {self.slot_id}, which holds no stage")
                 if kind == "forward":
                     try:
                         work = work_from_forward(f, self.runner.stage.device)
@@ -266,7 +274,8 @@ class NodeDaemon:
 
     def public_stats(self) -> dict:
         r = self.runner
-        return {"slot": self.slot_id, "node": self.node_id, "batches": self.stats["batches"],
+        return {"slot": self.slot_id, "standby": self.slot.standby, "node": self.node_id,
+                "epoch": self.claim.epoch if self.claim else None, "batches": self.stats["batches"],
                 "tokens": self.stats["tokens"], "busy_s": round(self.stats["busy_s"], 4),
                 "sessions": len(r.cache.sessions) if r else 0, "errors": self.stats["errors"]}
 
