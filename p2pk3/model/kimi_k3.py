@@ -592,11 +592,12 @@ class K3Stage(nn.Module):
         if missing:
             raise KeyError(f"missing tensors for this stage: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
         params = dict(self.named_parameters())
-        moe_maps = {}
+        moe_maps = {}  # prefix -> (module, checkpoint suffix -> (buffer, local index, kind))
         for i in self.plan.layers:
             layer = self.model.layers[str(i)]
             if hasattr(layer, "block_sparse_moe"):
-                moe_maps[f"model.layers.{i}.block_sparse_moe."] = layer.block_sparse_moe
+                moe = layer.block_sparse_moe
+                moe_maps[f"model.layers.{i}.block_sparse_moe."] = (moe, moe.expert_state_names())
         for name in expected:
             t = state[name]
             if name in params:
@@ -607,9 +608,9 @@ class K3Stage(nn.Module):
                         raise ValueError(f"{name}: shape {tuple(t.shape)} != expected {tuple(p.shape)}")
                     p.data = t.to(torch.float32 if keep32 else dtype).to(p.device).clone()
                 continue
-            for pre, moe in moe_maps.items():
+            for pre, (moe, names) in moe_maps.items():
                 if name.startswith(pre + "experts."):
-                    buf, li, kind = moe.expert_state_names()[name[len(pre):]]
+                    buf, li, kind = names[name[len(pre):]]
                     target = getattr(moe, buf)
                     with torch.no_grad():
                         target[li].copy_(t if kind != "weight" else t.to(target.dtype))
@@ -617,7 +618,7 @@ class K3Stage(nn.Module):
             else:
                 raise KeyError(f"{name}: no parameter of this stage takes it")
         self.act_dtype = dtype
-        for moe in moe_maps.values():
+        for moe, _ in moe_maps.values():
             if moe.cfg.quant is None:
                 for w in ("w1", "w2", "w3"):
                     setattr(moe, f"{w}_weight", getattr(moe, f"{w}_weight").to(dtype))
