@@ -606,7 +606,7 @@ class K3Stage(nn.Module):
                 with torch.no_grad():
                     if tuple(p.shape) != tuple(t.shape):
                         raise ValueError(f"{name}: shape {tuple(t.shape)} != expected {tuple(p.shape)}")
-                    p.data = t.to(torch.float32 if keep32 else dtype).to(p.device).clone()
+                    p.data = t.to(torch.float32 if keep32 else dtype).to(p.device)  # no copy when it already fits
                 continue
             for pre, (moe, names) in moe_maps.items():
                 if name.startswith(pre + "experts."):
