@@ -132,6 +132,11 @@ def node(topology_path, slot, standby, host, port, dtype, device, max_sessions, 
             slot = topo.standby[0].id
         if not slot:
             raise click.UsageError("give --slot ID, or --standby to run as a spare")
+        try:
+            topo.slot(slot)
+        except KeyError:
+            known = ", ".join(x.id for x in topo.slots)
+            raise click.UsageError(f"unknown slot {slot!r} in {topology_path} (slots: {known})") from None
         if standby and not topo.slot(slot).standby:
             raise click.UsageError(f"slot {slot} is not a standby slot")
         secret = topo.secret()
