@@ -342,24 +342,10 @@ class Connection:
         return self
 
     async def __anext__(self) -> Frame:
-        q = self._queue
-        while not q:  # (recv(), inlined, ending the iteration where recv() raises ConnectionClosed)
-            if self._error is not None:
-                raise self._error
-            if self._close_reason is not None:
-                raise StopAsyncIteration
-            if self._waiter is not None:
-                raise RuntimeError("recv() called concurrently on one connection")
-            self._waiter = w = self._loop.create_future()
-            try:
-                await w
-            finally:
-                self._waiter = None
-        f = q.popleft()
-        if self._reading_paused and len(q) <= self._max_queued // 2 and self._transport is not None:
-            self._reading_paused = False
-            self._transport.resume_reading()
-        return f
+        try:
+            return await self.recv()
+        except ConnectionClosed:
+            raise StopAsyncIteration from None
 
     def close(self, reason: str = "closed by this node", *, abort: bool = False) -> None:
         if self._close_reason is None:
