@@ -14,7 +14,6 @@ one state (read once, written once); q, k, the gate and beta are recomputed per 
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton

@@ -17,7 +17,6 @@ Matmuls run in the cache dtype (q is rounded to it when the cache is 16-bit) wit
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton

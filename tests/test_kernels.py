@@ -33,7 +33,6 @@ import random
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch

@@ -124,7 +124,6 @@ def _raw_copy(nbytes: int, reps: int) -> float:
     ls.listen(1)
     port = ls.getsockname()[1]
     buf = bytearray(nbytes)
-    done = []
 
     def recv_side():
         c, _ = ls.accept()
