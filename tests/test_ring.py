@@ -286,3 +286,32 @@ def test_standby_node_joins_and_holds_nothing(ckpt):
                 await spare.stop()
 
     assert len(run(go())) == 3
+
+
+def test_long_prompt_is_prefilled_in_chunks_without_stalling_running_decodes(ckpt):
+    """A 240-token prompt arrives while another session decodes: with 8-token prefill chunks the running
+    session keeps getting a token per round instead of waiting for the whole prefill."""
+    events = []
+    long_prompt = [3 + (i * 7) % 500 for i in range(240)]
+
+    async def go():
+        async with Ring(topo_even(ckpt, 2), ckpt, prefill_chunk=8) as ring:
+            ca, cb = await ring.client(), await ring.client()
+            first = asyncio.Event()
+
+            def on_a(t):
+                events.append("a")
+                first.set()
+
+            ta = asyncio.create_task(ca.generate(TOKS[:4], SamplingParams(max_tokens=60), on_token=on_a))
+            await first.wait()
+            tb = asyncio.create_task(cb.generate(long_prompt, SamplingParams(max_tokens=2),
+                                                 on_token=lambda t: events.append("b")))
+            await asyncio.gather(ta, tb)
+            ca.close()
+            cb.close()
+
+    run(go())
+    first_b = events.index("b")
+    # B's prefill takes 30 rounds; A must have kept decoding during them (not 1-2 tokens then a stall)
+    assert events[:first_b].count("a") >= 20, events
