@@ -116,6 +116,10 @@ class Pipeline:
         every live session."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
+        if any(not p for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling parameter sets")
         ids = [f"gen{i}" for i in range(len(prompts))]
         params = [p if p.seed is not None or p.temperature == 0 else
                   SamplingParams(**{**p.__dict__, "seed": fresh_seed()}) for p in params]
