@@ -343,3 +343,20 @@ def test_latent_moe_by_hand(whole):
         want = moe.routed_expert_up_proj.weight @ normed + shared
     assert torch.allclose(u[0], lat, atol=1e-5)
     assert torch.allclose(y[0], want, atol=1e-4)
+
+
+def test_uncertain_facts_are_pinned(whole):
+    """Facts the spec marks uncertain ([V2]/[S], section 10) and our own readings: pinned here so that a
+    change is deliberate and checked against the HF remote code once real weights are available."""
+    stage = whole.stages[0]
+    mla = stage.model.layers["3"].self_attn
+    assert mla.q_a_layernorm.eps == 1e-6 and mla.kv_a_layernorm.eps == 1e-6  # [V2]: not rms_norm_eps
+    assert stage.model.layers["0"].input_layernorm.eps == TINY_K3.rms_norm_eps
+    kda = stage.model.layers["0"].self_attn
+    assert kda.A_log.shape == (max(TINY_K3.kda_num_heads, TINY_K3.kda_head_dim),)  # padded like K3's [128]
+    assert torch.all(kda.A_log[TINY_K3.kda_num_heads:] == 0)  # [V2]: only the first `heads` are real
+    assert KIMI_K3.kda_a_log_len == 128
+    # SiTU per the remote code: tanh caps on both branches, sigmoid of the raw gate (not gate*sigmoid(b*gate))
+    g, u = torch.tensor([3.0]), torch.tensor([1.0])
+    assert torch.allclose(mxfp4_moe_ref.glu_act(g, u, "situ", 4.0, 25.0),
+                          4 * torch.tanh(g / 4) * torch.sigmoid(g) * 25 * torch.tanh(u / 25))

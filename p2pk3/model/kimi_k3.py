@@ -2,6 +2,15 @@
 checkpoint (`model.layers.N.self_attn.q_proj.weight`, ...). Math and sources: shared/spec
 kimi-k3-architecture.md (section numbers in the comments).
 
+Uncertain facts (the official modeling file could not be read; spec section 10) — each is pinned by
+tests/test_model.py::test_uncertain_facts_are_pinned so that changing one is a deliberate act:
+  * q_a_layernorm / kv_a_layernorm use eps 1e-6, every other norm rms_norm_eps ([V2], three ports);
+  * A_log is stored padded (K3: [128] for 96 heads); only the first `heads` entries are used ([V2]);
+  * the short conv runs in fp32 on the bf16 projections and its output is cast back (our choice; fla's
+    ShortConvolution precision was not checked against K3);
+  * the latent-MoE sum is cast to the activation dtype before routed_expert_norm (our reading);
+  * SiTU follows the remote code / MLX port, not HF-native transformers' docstring ([V], spec 5.3).
+
 The model is always run as a *stage*: a contiguous run of layers (possibly the whole model, possibly
 half a layer at each end) over a packed batch of token segments from many sessions. What flows between
 stages is a `Hop`: the running prefix sum, the AttnRes snapshot bank and, inside a layer whose experts
@@ -183,7 +192,8 @@ class GatedMLA(nn.Module):
         self.H = H
         if cfg.q_lora_rank:
             self.q_a_proj = linear(D, cfg.q_lora_rank)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)  # default eps 1e-6, not rms_norm_eps (spec 3.1)
+            # default eps 1e-6, not rms_norm_eps (spec 3.1, [V2] from three ports: uncertain)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
             self.q_b_proj = linear(cfg.q_lora_rank, H * cfg.q_head_dim)
         else:
             self.q_proj = linear(D, H * cfg.q_head_dim)
