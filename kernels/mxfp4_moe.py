@@ -17,10 +17,10 @@ Pipeline (no dequantized weight copy anywhere, no host sync, so it can be captur
      deterministic; no float atomics).
 
 Matmul variants (constexpr MODE):
-  0 "dot_scaled" (default everywhere): tl.dot_scaled(x_bf16, None, "bf16", w_e2m1, w_scale, "e2m1"). Native MX
+  0 "dot_scaled" (default on sm_100 / sm_120 and under the interpreter): tl.dot_scaled(x_bf16, None, "bf16", w_e2m1, w_scale, "e2m1"). Native MX
      MMA on sm_100; elsewhere Triton upcasts the weight tile to bf16 itself (sm_90: wgmma with the weight as the
      64-row operand; sm_120: mma.sync bf16).
-  1 "dequant": the Hopper-style path: e2m1 nibbles + E8M0 scales decoded to bf16 in registers (bit placement, no
+  1 "dequant" (default on sm_90 and older): the Hopper-style path: e2m1 nibbles + E8M0 scales decoded to bf16 in registers (bit placement, no
      table), x split into even / odd columns so the nibbles need no interleave, tl.dot.
   3 "dequant_f16": BK = 32 so one E8M0 scale per column and step: nibbles placed in fp16 bits (x 2^14, exact),
      fp16 tl.dot (x rounded to fp16 instead of bf16), the scale applied to the fp32 partial product.
@@ -318,7 +318,9 @@ def pick_mode(device: torch.device, act_dtype: torch.dtype = torch.bfloat16) -> 
     major, _ = torch.cuda.get_device_capability(device)
     if major == 12 and os.environ.get("P2PK3_SM120_W4A8") == "1":
         return MODES["w4a8"]
-    return MODES["dot_scaled"]
+    # native MX MMA from Blackwell on: dot_scaled; Hopper and older have none: in-kernel dequant to bf16
+    # (the choice; tools/bench_kernels.py times every variant so the default can follow measurements)
+    return MODES["dot_scaled"] if major >= 10 else MODES["dequant"]
 
 
 def route_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int):
