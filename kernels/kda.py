@@ -149,12 +149,16 @@ def _check(q, k, v, a, b, state):
     return H, K, V
 
 
-def _kda_decode(q, k, v, a, b, A_log, dt_bias, state, slots, scale, lower_bound, out=None):
+def _prep(q, k, v, a, b, A_log, dt_bias, state):
+    """Shape checks and the layouts both KDA launches need."""
     H, K, V = _check(q, k, v, a, b, state)
-    B = q.shape[0]
     q, k, v, a = _lastdim_contig(q, k, v, a)
-    dtb = dt_bias.reshape(-1).contiguous()
-    alog = A_log.reshape(-1).contiguous()
+    return H, K, V, q, k, v, a, A_log.reshape(-1).contiguous(), dt_bias.reshape(-1).contiguous()
+
+
+def _kda_decode(q, k, v, a, b, A_log, dt_bias, state, slots, scale, lower_bound, out=None):
+    H, K, V, q, k, v, a, alog, dtb = _prep(q, k, v, a, b, A_log, dt_bias, state)
+    B = q.shape[0]
     if out is None:
         out = torch.empty(B, H, V, dtype=torch.float32, device=q.device)
     if B == 0:
@@ -170,11 +174,8 @@ def _kda_decode(q, k, v, a, b, A_log, dt_bias, state, slots, scale, lower_bound,
 
 
 def _kda_prefill(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, slots, scale, lower_bound, out=None):
-    H, K, V = _check(q, k, v, a, b, state)
+    H, K, V, q, k, v, a, alog, dtb = _prep(q, k, v, a, b, A_log, dt_bias, state)
     N = q.shape[0]
-    q, k, v, a = _lastdim_contig(q, k, v, a)
-    dtb = dt_bias.reshape(-1).contiguous()
-    alog = A_log.reshape(-1).contiguous()
     if out is None:
         out = torch.empty(N, H, V, dtype=torch.float32, device=q.device)
     nseq = slots.shape[0]
