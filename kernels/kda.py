@@ -1,5 +1,6 @@
 """Kimi Delta Attention, Triton (same contract as `kda_ref`: raw projections in, gate / sigmoid(beta) /
-q,k L2 norm / scale applied in the kernel, fp32 states [S, H, K, V] in a pool updated in place via `slots`).
+q,k L2 norm / scale applied in the kernel, fp32 states [S, H, K, V] in a pool whose `rows` (one per
+sequence) are updated in place).
 
 Per head and token (spec 2.1): S <- Diag(exp g) S;  err = v - S^T k;  S <- S + beta k err^T;  o = S^T (q * scale).
 The V columns of S are independent, so both kernels split V into tiles and every program owns a [K, BV] slice of
@@ -62,7 +63,7 @@ def _step(S, q, k, a, v, b, dtb, A, scale, lower_bound, HAS_LB: tl.constexpr):
 
 
 @triton.jit
-def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, st_ptr, slot_ptr, o_ptr,
+def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, st_ptr, row_ptr, o_ptr,
                        sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, sa_b, sa_h, sb_b, sb_h,
                        ss_s, ss_h, ss_k, ss_v, so_b, so_h,
                        K, V, scale, lower_bound,
@@ -79,8 +80,8 @@ def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, st_
                               b_ptr + ib * sb_b + ih * sb_h, offs_k, km, offs_v, vm, 0, 1)
     dtb = tl.load(dtb_ptr + ih * K + offs_k, mask=km, other=0.0).to(tl.float32)
     A = tl.exp(tl.load(alog_ptr + ih).to(tl.float32))
-    slot = tl.load(slot_ptr + ib).to(tl.int64)
-    sp = st_ptr + slot * ss_s + ih * ss_h + offs_k[:, None] * ss_k + offs_v[None, :] * ss_v
+    row = tl.load(row_ptr + ib).to(tl.int64)
+    sp = st_ptr + row * ss_s + ih * ss_h + offs_k[:, None] * ss_k + offs_v[None, :] * ss_v
     smask = km[:, None] & vm[None, :]
     S = tl.load(sp, mask=smask, other=0.0)
     S, o = _step(S, q, k, a, v, b, dtb, A, scale, lower_bound, HAS_LB)
@@ -89,7 +90,7 @@ def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, st_
 
 
 @triton.jit
-def _kda_prefill_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, st_ptr, slot_ptr, cu_ptr, o_ptr,
+def _kda_prefill_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, st_ptr, row_ptr, cu_ptr, o_ptr,
                         sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sa_t, sa_h, sb_t, sb_h,
                         ss_s, ss_h, ss_k, ss_v, so_t, so_h,
                         K, V, scale, lower_bound,
@@ -107,8 +108,8 @@ def _kda_prefill_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, st
     vm = offs_v < V
     dtb = tl.load(dtb_ptr + ih * K + offs_k, mask=km, other=0.0).to(tl.float32)
     A = tl.exp(tl.load(alog_ptr + ih).to(tl.float32))
-    slot = tl.load(slot_ptr + iseq).to(tl.int64)
-    sp = st_ptr + slot * ss_s + ih * ss_h + offs_k[:, None] * ss_k + offs_v[None, :] * ss_v
+    row = tl.load(row_ptr + iseq).to(tl.int64)
+    sp = st_ptr + row * ss_s + ih * ss_h + offs_k[:, None] * ss_k + offs_v[None, :] * ss_v
     smask = km[:, None] & vm[None, :]
     S = tl.load(sp, mask=smask, other=0.0)
     q_h = q_ptr + ih * sq_h
@@ -156,7 +157,7 @@ def _prep(q, k, v, a, b, A_log, dt_bias, state):
     return H, K, V, q, k, v, a, A_log.reshape(-1).contiguous(), dt_bias.reshape(-1).contiguous()
 
 
-def _kda_decode(q, k, v, a, b, A_log, dt_bias, state, slots, scale, lower_bound, out=None):
+def _kda_decode(q, k, v, a, b, A_log, dt_bias, state, rows, scale, lower_bound, out=None):
     H, K, V, q, k, v, a, alog, dtb = _prep(q, k, v, a, b, A_log, dt_bias, state)
     B = q.shape[0]
     if out is None:
@@ -165,7 +166,7 @@ def _kda_decode(q, k, v, a, b, A_log, dt_bias, state, slots, scale, lower_bound,
         return out
     BK, BV, nw = _cfg(K, V, q.device)
     _kda_decode_kernel[(B, H, triton.cdiv(V, BV))](
-        q, k, v, a, b, alog, dtb, state, slots, out,
+        q, k, v, a, b, alog, dtb, state, rows, out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), a.stride(1),
         b.stride(0), b.stride(1), *state.stride(), out.stride(0), out.stride(1),
         K, V, float(scale), float(lower_bound if lower_bound is not None else 0.0),
@@ -173,17 +174,17 @@ def _kda_decode(q, k, v, a, b, A_log, dt_bias, state, slots, scale, lower_bound,
     return out
 
 
-def _kda_prefill(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, slots, scale, lower_bound, out=None):
+def _kda_prefill(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, rows, scale, lower_bound, out=None):
     H, K, V, q, k, v, a, alog, dtb = _prep(q, k, v, a, b, A_log, dt_bias, state)
     N = q.shape[0]
     if out is None:
         out = torch.empty(N, H, V, dtype=torch.float32, device=q.device)
-    nseq = slots.shape[0]
+    nseq = rows.shape[0]
     if N == 0 or nseq == 0:
         return out
     BK, BV, nw = _cfg(K, V, q.device)
     _kda_prefill_kernel[(nseq, H, triton.cdiv(V, BV))](
-        q, k, v, a, b, alog, dtb, state, slots, cu_seqlens, out,
+        q, k, v, a, b, alog, dtb, state, rows, cu_seqlens, out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), a.stride(1),
         b.stride(0), b.stride(1), *state.stride(), out.stride(0), out.stride(1),
         K, V, float(scale), float(lower_bound if lower_bound is not None else 0.0),
@@ -191,21 +192,21 @@ def _kda_prefill(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, slots, scale,
     return out
 
 
-def kda_decode(q, k, v, a, b, A_log, dt_bias, state, slots, scale: float, lower_bound: float | None) -> torch.Tensor:
+def kda_decode(q, k, v, a, b, A_log, dt_bias, state, rows, scale: float, lower_bound: float | None) -> torch.Tensor:
     """One recurrent step for a batch of sequences.
 
-    q, k, a [B, H, K]; v [B, H, V]; b [B, H] (beta logits); state [S, H, K, V] fp32; slots [B] int.
-    Returns o [B, H, V] fp32; state[slots] is advanced in place.
+    q, k, a [B, H, K]; v [B, H, V]; b [B, H] (beta logits); state [S, H, K, V] fp32; rows [B] int.
+    Returns o [B, H, V] fp32; state[rows] is advanced in place.
     """
-    return _kda_decode(q, k, v, a, b, A_log, dt_bias, state, slots, scale, lower_bound)
+    return _kda_decode(q, k, v, a, b, A_log, dt_bias, state, rows, scale, lower_bound)
 
 
-def kda_prefill(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, slots, scale: float,
+def kda_prefill(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, rows, scale: float,
                 lower_bound: float | None, chunk_size: int = 64) -> torch.Tensor:
     """Packed variable-length prefill (exact token recurrence; `chunk_size` is ignored).
 
-    q, k, a [N, H, K]; v [N, H, V]; b [N, H]; cu_seqlens [B+1] (token offsets); slots [B].
-    Sequence i covers tokens cu_seqlens[i]:cu_seqlens[i+1] and continues from state[slots[i]].
+    q, k, a [N, H, K]; v [N, H, V]; b [N, H]; cu_seqlens [B+1] (token offsets); rows [B].
+    Sequence i covers tokens cu_seqlens[i]:cu_seqlens[i+1] and continues from state[rows[i]].
     Returns o [N, H, V] fp32; states are advanced in place.
     """
-    return _kda_prefill(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, slots, scale, lower_bound)
+    return _kda_prefill(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, rows, scale, lower_bound)

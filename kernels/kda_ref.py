@@ -3,7 +3,7 @@
 Inputs are the raw projections; the ops apply the pieces K3 runs "in kernel": L2 norm of q and k
 (eps 1e-6 on the sum of squares), the gate (bounded sigmoid gate with `lower_bound`, or Kimi Linear's
 softplus gate when `lower_bound` is None), sigmoid(beta), scale. States are fp32 [S, H, K, V]
-(key-major, fla's default layout) in a pool indexed by `slots`, updated in place.
+(key-major, fla's default layout) in a pool indexed by `rows`, updated in place.
 """
 from __future__ import annotations
 
@@ -26,16 +26,16 @@ def kda_gate(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_
     return lower_bound * torch.sigmoid(A.exp() * x)
 
 
-def kda_decode(q, k, v, a, b, A_log, dt_bias, state, slots, scale: float, lower_bound: float | None) -> torch.Tensor:
+def kda_decode(q, k, v, a, b, A_log, dt_bias, state, rows, scale: float, lower_bound: float | None) -> torch.Tensor:
     """One recurrent step for a batch of sequences.
 
-    q, k, a [B, H, K]; v [B, H, V]; b [B, H] (beta logits); state [S, H, K, V] fp32; slots [B] int.
-    Returns o [B, H, V] fp32; state[slots] is advanced in place.
+    q, k, a [B, H, K]; v [B, H, V]; b [B, H] (beta logits); state [S, H, K, V] fp32; rows [B] int.
+    Returns o [B, H, V] fp32; state[rows] is advanced in place.
     """
     g = kda_gate(a, A_log, dt_bias, lower_bound)
     beta = torch.sigmoid(b.float())
     q, k, v = l2norm(q) * scale, l2norm(k), v.float()
-    idx = slots.long()
+    idx = rows.long()
     S = state[idx] * g.exp().unsqueeze(-1)  # decay rows
     err = v - torch.einsum("bhk,bhkv->bhv", k, S)  # read with the decayed state
     S = S + torch.einsum("bhk,bhv->bhkv", beta.unsqueeze(-1) * k, err)
@@ -77,12 +77,12 @@ def _chunk_one(q, k, v, g, beta, S, chunk: int):
     return o, S
 
 
-def kda_prefill(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, slots, scale: float,
+def kda_prefill(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, rows, scale: float,
                 lower_bound: float | None, chunk_size: int = 64) -> torch.Tensor:
     """Chunked prefill for packed variable-length sequences.
 
-    q, k, a [N, H, K]; v [N, H, V]; b [N, H]; cu_seqlens [B+1] (token offsets); slots [B].
-    Sequence i covers tokens cu_seqlens[i]:cu_seqlens[i+1] and continues from state[slots[i]].
+    q, k, a [N, H, K]; v [N, H, V]; b [N, H]; cu_seqlens [B+1] (token offsets); rows [B].
+    Sequence i covers tokens cu_seqlens[i]:cu_seqlens[i+1] and continues from state[rows[i]].
     Returns o [N, H, V] fp32; states are advanced in place.
     """
     g = kda_gate(a, A_log, dt_bias, lower_bound)
@@ -90,10 +90,10 @@ def kda_prefill(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, slots, scale: 
     qn, kn, vf = l2norm(q) * scale, l2norm(k), v.float()
     o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     cu = [int(x) for x in cu_seqlens]
-    for i, slot in enumerate(int(s) for s in slots):
+    for i, row in enumerate(int(s) for s in rows):
         s, e = cu[i], cu[i + 1]
         if e == s:
             continue
-        o[s:e], S = _chunk_one(qn[s:e], kn[s:e], vf[s:e], g[s:e], beta[s:e], state[slot].clone(), chunk_size)
-        state[slot] = S
+        o[s:e], S = _chunk_one(qn[s:e], kn[s:e], vf[s:e], g[s:e], beta[s:e], state[row].clone(), chunk_size)
+        state[row] = S
     return o

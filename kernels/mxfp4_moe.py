@@ -7,13 +7,13 @@ These bytes are exactly the rhs of `tl.dot_scaled(..., "e2m1")`: the rhs is logi
 (tile [BK/2, BN] loaded through strides, no copy) and its scale is [N, K/32] *not* transposed.
 
 Pipeline (no dequantized weight copy anywhere, no host sync, so it can be captured in a CUDA graph):
-  1. torch index prep: the N*k (token, slot) pairs are sorted by expert (ids < 0 go last and are never
+  1. torch index prep: the N*k (token, choice) pairs are sorted by expert (ids < 0 go last and are never
      touched); expert groups are cut into M-blocks of BLOCK_M rows; a fixed upper bound of blocks is launched
      (P // BLOCK_M + min(P, E)) and surplus programs exit at once.
   2. `_moe_gate_up_kernel`, grid (block, I-tile): h = act(x W1^T, x W3^T) for the rows of one expert block,
      stored bf16 in sorted order [P, I].
   3. `_moe_down_kernel`, grid (block, W-tile): y[pair] = topk_weight * (h W2^T) in fp32, one row per pair.
-  4. `_moe_combine_kernel`, grid (token, W-tile): u[n] = sum over valid slots of y[n*k + j] (fixed order,
+  4. `_moe_combine_kernel`, grid (token, W-tile): u[n] = sum over valid choices j of y[n*k + j] (fixed order,
      deterministic; no float atomics).
 
 Matmul variants (constexpr MODE):
@@ -70,15 +70,6 @@ def _glu(g, u, beta1, beta2, ACT: tl.constexpr):
         return (beta1 * _tanh(g / beta1) * _sigmoid(g)) * (beta2 * _tanh(u / beta2))
     else:  # SiLU-GLU (Kimi Linear)
         return g * _sigmoid(g) * u
-
-
-@triton.jit
-def _e2m1_to_f32(c):
-    """nibble codes (int32, 0..15) -> fp32 value (exact)."""
-    m = c & 7
-    bits = tl.where(m >= 2, (((m >> 1) + 126) << 23) | ((m & 1) << 22), tl.where(m == 1, 126 << 23, 0))
-    bits = bits | ((c & 8) << 28)
-    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -233,16 +233,16 @@ def test_kda_decode(lower_bound, dtype, K, V, seed):
     B, H, S = 3, 2, 6
     q, k, v, a, b, A_log, dt_bias = kda_inputs(B, H, K, V, dtype)
     state = torch.randn(S, H, K, V, device=DEVICE)
-    slots = torch.randperm(S, device=DEVICE)[:B].int()
+    rows = torch.randperm(S, device=DEVICE)[:B].int()
     st_t, st_r = state.clone(), state.clone()
     out = nan_like((B, H, V), torch.float32)
-    kda._kda_decode(q, k, v, a, b, A_log, dt_bias, st_t, slots, K ** -0.5, lower_bound, out=out)
-    ref = kda_ref.kda_decode(q, k, v, a, b, A_log, dt_bias, st_r, slots, K ** -0.5, lower_bound)
+    kda._kda_decode(q, k, v, a, b, A_log, dt_bias, st_t, rows, K ** -0.5, lower_bound, out=out)
+    ref = kda_ref.kda_decode(q, k, v, a, b, A_log, dt_bias, st_r, rows, K ** -0.5, lower_bound)
     assert not out.isnan().any(), f"seed={seed}"
     assert rel(out, ref) <= 1e-4, f"o rel err {rel(out, ref):.3g} (seed={seed})"
     assert rel(st_t, st_r) <= 1e-4, f"state rel err {rel(st_t, st_r):.3g} (seed={seed})"
     untouched = torch.ones(S, dtype=torch.bool)
-    untouched[slots.long().cpu()] = False
+    untouched[rows.long().cpu()] = False
     assert torch.equal(st_t[untouched.to(DEVICE)], state[untouched.to(DEVICE)]), f"seed={seed}"
 
 
@@ -255,18 +255,18 @@ def test_kda_prefill(lower_bound, dtype, seed):
     N = int(cu[-1])
     q, k, v, a, b, A_log, dt_bias = kda_inputs(N, H, K, V, dtype)
     state = torch.randn(S, H, K, V, device=DEVICE)
-    slots = torch.randperm(S, device=DEVICE)[:3].int()
+    rows = torch.randperm(S, device=DEVICE)[:3].int()
     st_t, st_r = state.clone(), state.clone()
     out = nan_like((N, H, V), torch.float32)
-    kda._kda_prefill(q, k, v, a, b, A_log, dt_bias, st_t, cu, slots, K ** -0.5, lower_bound, out=out)
-    ref = kda_ref.kda_prefill(q, k, v, a, b, A_log, dt_bias, st_r, cu, slots, K ** -0.5, lower_bound, chunk_size=4)
+    kda._kda_prefill(q, k, v, a, b, A_log, dt_bias, st_t, cu, rows, K ** -0.5, lower_bound, out=out)
+    ref = kda_ref.kda_prefill(q, k, v, a, b, A_log, dt_bias, st_r, cu, rows, K ** -0.5, lower_bound, chunk_size=4)
     assert not out.isnan().any(), f"seed={seed}"
     assert rel(out, ref) <= 1e-4, f"o rel err {rel(out, ref):.3g} (seed={seed}, lens={lens})"
     assert rel(st_t, st_r) <= 1e-4, f"state rel err {rel(st_t, st_r):.3g} (seed={seed}, lens={lens})"
 
 
 def test_kda_decode_matches_fla(seed):
-    """Cross-check against fla's fused_recurrent_kda (pool + slot indices, gate / sigmoid / l2norm in kernel)."""
+    """Cross-check against fla's fused_recurrent_kda (pool + row indices, gate / sigmoid / l2norm in kernel)."""
     try:
         import warnings
         with warnings.catch_warnings():
@@ -277,13 +277,13 @@ def test_kda_decode_matches_fla(seed):
     B, H, K, V, S = 3, 2, 32, 64, 5
     q, k, v, a, b, A_log, dt_bias = kda_inputs(B, H, K, V, torch.float32)
     state = torch.randn(S, H, K, V, device=DEVICE)
-    slots = torch.randperm(S, device=DEVICE)[:B]
+    rows = torch.randperm(S, device=DEVICE)[:B]
     for lb in (-5.0, None):
         s1, s2 = state.clone(), state.clone()
-        o1 = kda.kda_decode(q, k, v, a, b, A_log, dt_bias, s1, slots.int(), K ** -0.5, lb)
+        o1 = kda.kda_decode(q, k, v, a, b, A_log, dt_bias, s1, rows.int(), K ** -0.5, lb)
         o2, _ = fused_recurrent_kda_fwd(
             *(x[:, None].contiguous() for x in (q, k, v, a, b)), A_log=A_log, dt_bias=dt_bias, initial_state=s2,
-            scale=K ** -0.5, inplace_final_state=True, ssm_state_indices=slots.long(), use_qk_l2norm_in_kernel=True,
+            scale=K ** -0.5, inplace_final_state=True, ssm_state_indices=rows.long(), use_qk_l2norm_in_kernel=True,
             use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=lb)
         assert rel(o1, o2[:, 0]) <= 1e-4 and rel(s1, s2) <= 1e-4, f"lb={lb} seed={seed}"
 
@@ -384,7 +384,7 @@ COMPILE_SCRIPT = textwrap.dedent(r'''
            "blk_expert_ptr": "*i32", "blk_start_ptr": "*i32", "blk_rows_ptr": "*i32", "ids_ptr": "*i32",
            "out_ptr": "*fp32", "beta1": "fp32", "beta2": "fp32"}
     KDA = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr")}
-    KDA.update({"alog_ptr": "*fp32", "dtb_ptr": "*fp32", "st_ptr": "*fp32", "slot_ptr": "*i32", "cu_ptr": "*i32",
+    KDA.update({"alog_ptr": "*fp32", "dtb_ptr": "*fp32", "st_ptr": "*fp32", "row_ptr": "*i32", "cu_ptr": "*i32",
                 "o_ptr": "*fp32", "scale": "fp32", "lower_bound": "fp32"})
     MLA = {"ql_ptr": "*bf16", "qp_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32", "sl_ptr": "*i32",
            "po_ptr": "*fp32", "pl_ptr": "*fp32", "out_ptr": "*fp32", "sm_scale_log2": "fp32"}

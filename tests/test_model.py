@@ -2,18 +2,21 @@
 consistency properties (prefill = decode, staged = whole, absorbed = naive MLA, expert subsets)."""
 from __future__ import annotations
 
+import json
 import math
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 from p2pk3.engine.reference import Pipeline, load_stage, nll
 from p2pk3.engine.sampling import SamplingParams
-from p2pk3.model.cache import CacheFull, Segment, SessionError
-from p2pk3.model.config import KIMI_K3, TINY_K3, TINY_KIMI_LINEAR, ConfigError, K3Config
-from p2pk3.model.kimi_k3 import ExpertNotHeld, GatedMLA, RMSNorm, Router, StagePlan
+from p2pk3.model.cache import CacheFull, SessionError, Span
+from p2pk3.model.config import KIMI_K3, TINY_K3, TINY_KIMI_LINEAR, ConfigError, ConfigWarning, K3Config
+from p2pk3.model.kimi_k3 import ExpertNotHeld, GatedMLA, RMSNorm, Router, StagePlan, build_stage
 from p2pk3_kernels import attnres_ref, kda_ref, mxfp4_moe_ref
+from p2pk3.checkpoint.loader import load_stage_weights
 from p2pk3.checkpoint.tiny import write_checkpoint
 
 
@@ -39,8 +42,8 @@ def test_config_k3_layer_pattern_is_one_indexed():
 def test_config_errors_are_clear():
     raw = TINY_K3.to_hf_dict()
     raw["text_config"]["mystery_knob"] = 3
-    with pytest.raises(ConfigError, match="mystery_knob"):
-        K3Config.from_hf_dict(raw)
+    with pytest.raises(ConfigError, match=r"text_config\.mystery_knob.*strict"):
+        K3Config.from_hf_dict(raw, strict=True)
     raw = TINY_K3.to_hf_dict()
     raw["text_config"]["linear_attn_config"]["kda_layers"].append(4)
     with pytest.raises(ConfigError, match="both kda_layers and full_attn_layers"):
@@ -51,6 +54,81 @@ def test_config_errors_are_clear():
         K3Config.from_hf_dict(raw)
     with pytest.raises(ConfigError, match="model_type"):
         K3Config.from_hf_dict({"model_type": "llama"})
+
+
+# config.json as transformers writes it (PretrainedConfig boilerplate at the top level, in text_config and in
+# vision_config), in the layout of the published moonshotai/Kimi-K3 file, with K3's real values.
+HF_K3_CONFIG = Path(__file__).parent / "data" / "kimi-k3-config.json"
+# A sample of what transformers adds, written out here (not taken from config.py) so the fixture cannot lose it.
+BOILERPLATE_SAMPLE = {"top_k", "max_length", "temperature", "num_beams", "bad_words_ids", "tie_encoder_decoder",
+                      "return_dict", "torchscript", "pruned_heads", "id2label", "label2id", "problem_type",
+                      "tokenizer_class", "prefix", "sep_token_id", "decoder_start_token_id", "task_specific_params",
+                      "cross_attention_hidden_size", "suppress_tokens", "use_bfloat16", "tf_legacy_loss",
+                      "architectures", "torch_dtype", "transformers_version", "_name_or_path",
+                      "_attn_implementation_autoset"}
+
+
+def _hf_k3() -> dict:
+    return json.loads(HF_K3_CONFIG.read_text())
+
+
+def test_transformers_written_k3_config_loads_silently():
+    raw = _hf_k3()
+    assert BOILERPLATE_SAMPLE <= set(raw) and BOILERPLATE_SAMPLE <= set(raw["text_config"])
+    assert {"auto_map", "vision_config", "quantization_config"} <= set(raw) and raw["text_config"]["top_k"] == 50
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # boilerplate is ignored without a word
+        cfg = K3Config.from_pretrained(HF_K3_CONFIG)
+        assert K3Config.from_hf_dict(raw, strict=True) == cfg
+    assert cfg == KIMI_K3 == K3Config.from_hf_dict(KIMI_K3.to_hf_dict())  # same as without the boilerplate
+    assert cfg.quant is not None and cfg.eos_token_id == 163586 and not cfg.tie_word_embeddings
+
+
+def test_unknown_config_key_warns_once_naming_it(tmp_path):
+    raw = _hf_k3()
+    raw["text_config"]["kda_turbo_knob"] = True
+    raw["text_config"]["linear_attn_config"]["chunk_fudge"] = 2
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        a = K3Config.from_pretrained(tmp_path)
+        b = K3Config.from_pretrained(tmp_path)
+    msgs = [str(w.message) for w in seen if issubclass(w.category, ConfigWarning)]
+    assert len(msgs) == 1, msgs
+    assert "text_config.kda_turbo_knob" in msgs[0] and "text_config.linear_attn_config.chunk_fudge" in msgs[0]
+    assert str(tmp_path / "config.json") in msgs[0] and "top_k" not in msgs[0]
+    assert a == b == KIMI_K3
+
+
+def test_missing_required_config_key_names_it(tmp_path):
+    raw = _hf_k3()
+    del raw["text_config"]["hidden_size"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=r"config\.json: missing required key 'text_config\.hidden_size'"):
+        K3Config.from_pretrained(tmp_path)
+    raw = _hf_k3()
+    del raw["text_config"]["linear_attn_config"]["num_heads"]
+    with pytest.raises(ConfigError, match=r"linear_attn_config\.num_heads"):
+        K3Config.from_hf_dict(raw)
+
+
+def test_inconsistent_config_values_are_errors():
+    raw = _hf_k3()
+    raw["text_config"]["linear_attn_config"]["full_attn_layers"].remove(93)
+    with pytest.raises(ConfigError, match=r"layers \[93\] are in neither kda_layers nor full_attn_layers"):
+        K3Config.from_hf_dict(raw)
+    raw = _hf_k3()
+    raw["text_config"]["linear_attn_config"]["kda_layers"].append(8)
+    with pytest.raises(ConfigError, match=r"layers \[8\] are in both"):
+        K3Config.from_hf_dict(raw)
+    raw = _hf_k3()
+    raw["text_config"]["linear_attn_config"]["full_attn_layers"].append(94)
+    with pytest.raises(ConfigError, match=r"layer numbers \[94\] outside 1\.\.93"):
+        K3Config.from_hf_dict(raw)
+    raw = _hf_k3()
+    raw["text_config"]["pruned_heads"] = {"3": [0, 1]}  # boilerplate, but not at its default: another model
+    with pytest.raises(ConfigError, match="text_config.pruned_heads"):
+        K3Config.from_hf_dict(raw)
 
 
 def test_config_kimi_linear_differences():
@@ -87,6 +165,72 @@ def test_attnres_mix_hand_example():
     w2 = torch.tensor([math.log(3) / math.sqrt(2), 0.0])  # score bank = log 3, prefix 0 -> p = (3/4, 1/4)
     out = attnres_ref.attnres_mix(bank, prefix, w2, eps=0.0)
     assert torch.allclose(out, torch.tensor([[0.75, 0.5]]), atol=1e-6)
+
+
+def test_attnres_mix_module_owns_its_pair_and_keeps_checkpoint_names(whole):
+    from p2pk3.model.kimi_k3 import AttnResMix, checkpoint_to_module, module_to_checkpoint
+
+    stage = whole.stages[0]
+    mix = stage.model.layers["1"].mlp_res
+    assert isinstance(mix, AttnResMix) and isinstance(stage.model.output_attn_res, AttnResMix)
+    assert {n for n, _ in mix.named_parameters()} == {"norm.weight", "proj.weight"}
+    bank, prefix = torch.randn(2, 3, TINY_K3.hidden_size), torch.randn(3, TINY_K3.hidden_size)
+    w = mix.norm.weight * mix.proj.weight[0]
+    assert torch.equal(mix(bank, prefix), attnres_ref.attnres_mix(bank, prefix, w, TINY_K3.rms_norm_eps))
+    # the published names stay the checkpoint's; module paths differ only for the AttnRes pairs
+    assert checkpoint_to_module("model.layers.7.self_attention_res_proj.weight") == "model.layers.7.self_attention_res.proj.weight"
+    assert checkpoint_to_module("model.output_attn_res_norm.weight") == "model.output_attn_res.norm.weight"
+    params = [n for n, _ in stage.named_parameters()]
+    expected = stage.expected_tensors()
+    assert {module_to_checkpoint(n) for n in params} == {n for n in expected if ".experts." not in n}
+    assert all(checkpoint_to_module(module_to_checkpoint(n)) == n for n in params)
+    renamed = {n for n in params if module_to_checkpoint(n) != n}
+    assert len(renamed) == 2 * (2 * TINY_K3.num_hidden_layers + 1) and all("_res." in n for n in renamed)
+
+
+def test_short_conv_by_hand_and_across_calls():
+    from p2pk3.model.kimi_k3 import ShortConv
+
+    conv = ShortConv(2, 3)  # 2 channels, kernel 3: history of 2 pre-conv inputs per session
+    conv.weight.data = torch.tensor([[[1.0, 10.0, 100.0]], [[0.0, 0.0, 1.0]]])
+    state = torch.zeros(4, 2, 2)
+    x = torch.tensor([[1.0, 5.0], [2.0, 6.0], [3.0, 7.0]])
+    # one span of 3 tokens in pool row 2: tap 2 is the current token, taps 0-1 the two before (zeros at start)
+    out = conv(x, state, torch.tensor([2]), [0, 3])
+    want = torch.tensor([[100.0, 5.0], [10 + 200.0, 6.0], [1 + 20 + 300.0, 7.0]])
+    assert torch.allclose(out, torch.nn.functional.silu(want))
+    assert torch.equal(state[2], x[1:].T) and not state[[0, 1, 3]].any()
+    # decode step (one token per row) continues from the history, and a prefill of several spans as well
+    y = conv(torch.tensor([[4.0, 8.0]]), state, torch.tensor([2]))
+    assert torch.allclose(y, torch.nn.functional.silu(torch.tensor([[2 + 30 + 400.0, 8.0]])))
+    a, b = state.clone(), state.clone()
+    z = torch.randn(5, 2)
+    split = conv(z, a, torch.tensor([2, 0]), [0, 3, 5])
+    steps = torch.cat([conv(z[t:t + 1], b, torch.tensor([2])) for t in range(3)]
+                      + [conv(z[t:t + 1], b, torch.tensor([0])) for t in range(3, 5)])
+    assert torch.allclose(split, steps, atol=1e-6) and torch.allclose(a, b)
+
+
+def test_split_even_uses_the_shared_layer_ranges():
+    from p2pk3.model.split import even_layer_ranges
+
+    plans = StagePlan.split_even(TINY_K3, 4)  # 6 layers: 2, 2, 1, 1 (larger first), not rounded cuts
+    assert [p.layers for p in plans] == [[0, 1], [2, 3], [4], [5]]
+    assert [p.embed for p in plans] == [True, False, False, False] and [p.head for p in plans] == [False] * 3 + [True]
+    k3 = StagePlan.split_even(KIMI_K3, 4)
+    assert [p.layers for p in k3] == [list(r) for r in even_layer_ranges(93, 4)] and len(k3[0].layers) == 24
+    with pytest.raises(ValueError, match="only 6 layers"):
+        StagePlan.split_even(TINY_K3, 7)
+
+
+def test_one_dtype_map_with_a_clear_error():
+    from p2pk3.model.dtypes import TORCH_DTYPES, torch_dtype
+
+    assert set(TORCH_DTYPES) == {"float32", "bfloat16", "float16"}
+    assert torch_dtype("bfloat16") is torch.bfloat16 and torch_dtype(torch.float16) is torch.float16
+    for bad in ("fp32", torch.float64, None):
+        with pytest.raises(ValueError, match="use one of float32, bfloat16, float16"):
+            torch_dtype(bad)
 
 
 def test_router_selects_with_bias_but_weighs_without():
@@ -169,15 +313,33 @@ def test_staged_equals_whole_bit_for_bit(ckpt, whole, n):
     assert torch.equal(staged.score(TOKS[:9], incremental=True), whole.score(TOKS[:9], incremental=True))
 
 
-def test_absorbed_mla_equals_naive(whole):
-    try:
-        GatedMLA.mode = "naive"
-        a = whole.score(TOKS[:12], incremental=True)
-        GatedMLA.mode = "absorbed"
-        b = whole.score(TOKS[:12], incremental=False)
-    finally:
-        GatedMLA.mode = "auto"
+def test_absorbed_mla_equals_naive(ckpt):
+    pipe = Pipeline.load(ckpt, 2, max_sessions=2, max_tokens=256, block_size=8)
+    mlas = [m for st in pipe.stages for m in st.modules() if isinstance(m, GatedMLA)]
+    assert mlas and all(m.mode == "auto" for m in mlas)
+    for st in pipe.stages:
+        st.set_mla_mode("naive")
+    assert all(m.mode == "naive" for m in mlas)
+    a = pipe.score(TOKS[:12], incremental=True)
+    for st in pipe.stages:
+        st.set_mla_mode("absorbed")
+    b = pipe.score(TOKS[:12], incremental=False)
     assert (a - b).abs().max() <= 1e-4
+    with pytest.raises(ValueError, match="expected one of"):
+        pipe.stages[0].set_mla_mode("fast")
+
+
+def test_mla_mode_is_per_instance(ckpt):
+    """Forcing the naive form on one stage leaves every other stage (and the class) alone."""
+    cfg = K3Config.from_pretrained(ckpt)
+    one = load_stage(ckpt, StagePlan.whole(cfg))
+    two = load_stage(ckpt, StagePlan.whole(cfg))
+    one.set_mla_mode("naive")
+    assert {m.mode for m in two.modules() if isinstance(m, GatedMLA)} == {"auto"}
+    assert not hasattr(GatedMLA, "mode")
+    built = build_stage(cfg, StagePlan.whole(cfg), load_stage_weights(ckpt, cfg, range(cfg.num_hidden_layers),
+                                                                      embed=True, head=True), mla_mode="absorbed")
+    assert {m.mode for m in built.modules() if isinstance(m, GatedMLA)} == {"absorbed"}
 
 
 def test_batched_decode_of_different_lengths_matches_single(whole):
@@ -246,10 +408,10 @@ def test_cache_is_bounded_and_sessions_are_checked(ckpt):
     with pytest.raises(CacheFull, match="busy"):
         pipe.open("c")
     with pytest.raises(CacheFull, match="busy: MLA cache"):
-        pipe.forward([Segment("a", 0, 25)], torch.zeros(25, dtype=torch.long))
+        pipe.forward([Span("a", 0, 25)], torch.zeros(25, dtype=torch.long))
     assert pipe.length("a") == 0  # nothing was committed
     with pytest.raises(SessionError, match="starts at position 3"):
-        pipe.forward([Segment("b", 3, 1)], torch.zeros(1, dtype=torch.long))
+        pipe.forward([Span("b", 3, 1)], torch.zeros(1, dtype=torch.long))
     pipe.close("a")
     pipe.open("c")
 
@@ -291,9 +453,9 @@ def _batch_for(stage, n):
     from p2pk3.model.kimi_k3 import Batch
     cache = stage.new_cache(2, 64, block_size=8)
     cache.open("h")
-    segs = [Segment("h", 0, n)]
-    cache.reserve(segs)
-    return Batch(segs, cache, torch.device("cpu"))
+    spans = [Span("h", 0, n)]
+    cache.reserve(spans)
+    return Batch(spans, cache, torch.device("cpu"))
 
 
 def test_mla_single_token_by_hand(whole):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from p2pk3.checkpoint.loader import load_stage_weights  # noqa: E402
-from p2pk3.model.cache import Segment  # noqa: E402
+from p2pk3.model.cache import Span  # noqa: E402
 from p2pk3.model.config import K3Config  # noqa: E402
 from p2pk3.model.kimi_k3 import StagePlan, build_stage  # noqa: E402
 from p2pk3.tokenizer import load_tokenizer  # noqa: E402
@@ -65,12 +65,12 @@ def test_heldout_perplexity(shipped):
     T, W = rec["window"], rec["windows"]
     x = torch.tensor([ids[w * T: w * T + T + 1] for w in range(W)])
     cache = stage.new_cache(max_sessions=W, max_tokens=W * T, block_size=T)
-    segs = []
+    spans = []
     for w in range(W):
         cache.open(f"w{w}")
-        segs.append(Segment(f"w{w}", 0, T))
+        spans.append(Span(f"w{w}", 0, T))
     with torch.inference_mode():
-        logits = stage(segs, cache, tokens=x[:, :-1].reshape(-1), logits="all")
+        logits = stage(spans, cache, tokens=x[:, :-1].reshape(-1), logits="all")
     ppl = math.exp(float(F.cross_entropy(logits.float(), x[:, 1:].reshape(-1))))
     assert ppl <= 1.1 * rec["ppl_mxfp4"], (ppl, rec["ppl_mxfp4"])
     assert ppl >= 0.9 * rec["ppl_mxfp4"], (ppl, rec["ppl_mxfp4"])  # a big "improvement" means the slice changed
@@ -84,14 +84,14 @@ def test_greedy_decode_matches_prefill(shipped):
     with torch.inference_mode():
         cache = stage.new_cache(max_sessions=2, max_tokens=256, block_size=64)
         cache.open("a")
-        lg = stage([Segment("a", 0, len(prompt))], cache, tokens=torch.tensor(prompt))
+        lg = stage([Span("a", 0, len(prompt))], cache, tokens=torch.tensor(prompt))
         out = []
         for _ in range(8):
             nxt = int(lg[-1].argmax())
             out.append(nxt)
-            lg = stage([Segment("a", len(prompt) + len(out) - 1, 1)], cache, tokens=torch.tensor([nxt]))
+            lg = stage([Span("a", len(prompt) + len(out) - 1, 1)], cache, tokens=torch.tensor([nxt]))
         cache.open("b")
         full = prompt + out[:-1]
-        lg_full = stage([Segment("b", 0, len(full))], cache, tokens=torch.tensor(full), logits="all")
+        lg_full = stage([Span("b", 0, len(full))], cache, tokens=torch.tensor(full), logits="all")
     assert lg_full[len(prompt) - 1:].argmax(-1).tolist() == out
     assert tok.decode(out).strip()  # says something

@@ -49,9 +49,10 @@ import torch.nn.functional as F
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from p2pk3.model.cache import Segment  # noqa: E402
+from p2pk3.model.cache import Span  # noqa: E402
 from p2pk3.model.config import TINY_K3, K3Config, _k3_full_attn  # noqa: E402
-from p2pk3.model.kimi_k3 import K3Stage, KimiDeltaAttention, LatentMoE, StagePlan, build_stage  # noqa: E402
+from p2pk3.model.kimi_k3 import (K3Stage, KimiDeltaAttention, LatentMoE, StagePlan, build_stage,  # noqa: E402
+                                  module_to_checkpoint)
 
 HELDOUT_PCT = 10  # sha256(name) % 100 < 10 -> held out (7 topics, ~5% of the text on CPython 3.11)
 VAL_PCT = 8  # of the rest, sha256("val/" + name) % 100 < 8 -> validation
@@ -205,7 +206,7 @@ def init_stage(stage: K3Stage, seed: int) -> None:
         if name.endswith("e_score_correction_bias"):
             p.zero_()
             p.requires_grad_(False)  # moved by the balancing rule, not by gradients
-        elif name.endswith("_res_proj.weight"):
+        elif module_to_checkpoint(name).endswith("_res_proj.weight"):
             p.zero_()
         elif "conv1d" in name:
             p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
@@ -252,7 +253,7 @@ def canonical_state_dict(stage: K3Stage) -> dict[str, torch.Tensor]:
             for e in range(p.shape[0]):
                 sd[f"{pre}.experts.{e}.{w[:2]}.weight"] = p[e].detach().clone()
         else:
-            sd[n] = p.detach().clone()
+            sd[module_to_checkpoint(n)] = p.detach().clone()
     return sd
 
 
@@ -318,7 +319,7 @@ def forward_batch(stage: K3Stage, x: torch.Tensor, logits: str = "all") -> torch
     segs = []
     for b in range(B):
         cache.open(f"s{b}")
-        segs.append(Segment(f"s{b}", 0, T))
+        segs.append(Span(f"s{b}", 0, T))
     return stage(segs, cache, tokens=x.reshape(-1), logits=logits)
 
 
@@ -365,7 +366,7 @@ def greedy(stage: K3Stage, prompt: list[int], max_new: int, stop: set[int] = fro
     with torch.inference_mode():
         cache = stage.new_cache(max_sessions=1, max_tokens=len(prompt) + max_new + 1, block_size=64)
         cache.open(session)
-        lg = stage([Segment(session, 0, len(prompt))], cache, tokens=torch.tensor(prompt), logits="last")
+        lg = stage([Span(session, 0, len(prompt))], cache, tokens=torch.tensor(prompt), logits="last")
         out: list[int] = []
         pos = len(prompt)
         for _ in range(max_new):
@@ -373,7 +374,7 @@ def greedy(stage: K3Stage, prompt: list[int], max_new: int, stop: set[int] = fro
             out.append(nxt)
             if nxt in stop:
                 break
-            lg = stage([Segment(session, pos, 1)], cache, tokens=torch.tensor([nxt]), logits="last")
+            lg = stage([Span(session, pos, 1)], cache, tokens=torch.tensor([nxt]), logits="last")
             pos += 1
     return out
 

@@ -89,13 +89,6 @@ class StageWeights(dict):
         self.stats = stats if stats is not None else LoadStats()
 
 
-def _spec_bytes(spec: TensorSpec) -> int:
-    n = 1
-    for d in spec.shape:
-        n *= d
-    return n * torch.empty((), dtype=spec.dtype).element_size()
-
-
 class CheckpointReader:
     """Name map of one checkpoint directory; tensors are read on demand with `read`."""
 

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from p2pk3.model.cache import Segment
+from p2pk3.model.cache import Span
 
 from .reference import Pipeline
 
@@ -34,12 +34,12 @@ def bench_reference_decode(model: str | None, batches: list[int], steps: int, pr
         for s in ids:
             pipe.open(s)
         prompt = torch.randint(0, cfg.vocab_size, (b * prompt_len,), generator=g)
-        pipe.forward([Segment(s, 0, prompt_len) for s in ids], prompt)
+        pipe.forward([Span(s, 0, prompt_len) for s in ids], prompt)
         tok = torch.randint(0, cfg.vocab_size, (b,), generator=g)
-        pipe.forward([Segment(s, prompt_len, 1) for s in ids], tok)  # warm-up
+        pipe.forward([Span(s, prompt_len, 1) for s in ids], tok)  # warm-up
         t0 = time.perf_counter()
         for k in range(steps):
-            lg = pipe.forward([Segment(s, prompt_len + 1 + k, 1) for s in ids], tok)
+            lg = pipe.forward([Span(s, prompt_len + 1 + k, 1) for s in ids], tok)
             tok = lg.argmax(-1)
         dt = time.perf_counter() - t0
         for s in ids:

@@ -9,13 +9,12 @@ from typing import Iterable
 import torch
 
 from p2pk3.checkpoint.loader import load_stage_weights
-from p2pk3.model.cache import Segment
+from p2pk3.model.cache import Span
 from p2pk3.model.config import K3Config
+from p2pk3.model.dtypes import torch_dtype
 from p2pk3.model.kimi_k3 import K3Stage, StagePlan, build_stage
 
 from .sampling import SamplingParams, fresh_seed, sample_at
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def default_model_dir() -> Path:
@@ -36,21 +35,12 @@ def configure_cpu_threads(cfg: K3Config, threads: int | None = None) -> int:
     return threads
 
 
-def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"dtype {name!r}: expected one of {sorted(DTYPES)}") from None
-
-
 def load_stage(model_dir: str | Path, plan: StagePlan, dtype="float32", device="cpu",
                cfg: K3Config | None = None) -> K3Stage:
     cfg = cfg or K3Config.from_pretrained(model_dir)
     state = load_stage_weights(model_dir, cfg, layers=plan.layers, experts=plan.experts or None, embed=plan.embed,
                                head=plan.head, layer_parts=plan.parts or None)
-    return build_stage(cfg, plan, state, resolve_dtype(dtype), device)
+    return build_stage(cfg, plan, state, torch_dtype(dtype), device)
 
 
 class Pipeline:
@@ -90,10 +80,10 @@ class Pipeline:
         return self.caches[0].get(session).length
 
     @torch.inference_mode()
-    def forward(self, segments: list[Segment], tokens: torch.Tensor, logits: str = "last") -> torch.Tensor:
+    def forward(self, spans: list[Span], tokens: torch.Tensor, logits: str = "last") -> torch.Tensor:
         hop = None
         for stage, cache in zip(self.stages, self.caches):
-            out = stage(segments, cache, tokens=tokens if stage.plan.embed else None, hop=hop, logits=logits)
+            out = stage(spans, cache, tokens=tokens if stage.plan.embed else None, hop=hop, logits=logits)
             hop = out
         return out
 
@@ -104,8 +94,8 @@ class Pipeline:
         try:
             t = torch.tensor(tokens, dtype=torch.long)
             if not incremental:
-                return self.forward([Segment(session, 0, len(tokens))], t, logits="all")
-            return torch.cat([self.forward([Segment(session, i, 1)], t[i:i + 1], logits="all")
+                return self.forward([Span(session, 0, len(tokens))], t, logits="all")
+            return torch.cat([self.forward([Span(session, i, 1)], t[i:i + 1], logits="all")
                               for i in range(len(tokens))])
         finally:
             self.close(session)
@@ -130,15 +120,15 @@ class Pipeline:
             pos = [0] * len(prompts)
             last = [None] * len(prompts)
             while any(pos[i] < len(p) for i, p in enumerate(prompts)):  # chunked prefill
-                segs, toks, who = [], [], []
+                spans, toks, who = [], [], []
                 for i, p in enumerate(prompts):
                     if pos[i] < len(p):
                         n = min(prefill_chunk, len(p) - pos[i])
-                        segs.append(Segment(ids[i], pos[i], n))
+                        spans.append(Span(ids[i], pos[i], n))
                         toks.extend(p[pos[i]:pos[i] + n])
                         pos[i] += n
                         who.append(i)
-                lg = self.forward(segs, torch.tensor(toks, dtype=torch.long))
+                lg = self.forward(spans, torch.tensor(toks, dtype=torch.long))
                 for row, i in enumerate(who):
                     last[i] = lg[row]
             live = [i for i in range(len(prompts)) if params[i].max_tokens > 0]
@@ -153,8 +143,8 @@ class Pipeline:
                 live = nxt
                 if not live:
                     break
-                segs = [Segment(ids[i], pos[i] + len(outs[i]) - 1, 1) for i in live]
-                lg = self.forward(segs, torch.tensor([outs[i][-1] for i in live], dtype=torch.long))
+                spans = [Span(ids[i], pos[i] + len(outs[i]) - 1, 1) for i in live]
+                lg = self.forward(spans, torch.tensor([outs[i][-1] for i in live], dtype=torch.long))
                 for row, i in enumerate(live):
                     last[i] = lg[row]
             return outs

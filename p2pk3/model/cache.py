@@ -1,7 +1,7 @@
 """Per-session state of one stage: KDA recurrent + short-conv state and the paged MLA latent cache.
 
-Memory is allocated once, up front, from the stage's budget: `max_sessions` KDA state slots and
-`max_tokens` worth of MLA cache blocks shared by all sessions. When either runs out, `CacheFull` is raised
+Memory is allocated once, up front, from the stage's budget: `max_sessions` rows of the KDA state pools
+(one row per open session) and `max_tokens` worth of MLA cache blocks shared by all sessions. When either runs out, `CacheFull` is raised
 and the caller answers "busy" — never an out-of-memory in the middle of a forward.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ class CacheFull(RuntimeError):
 
 
 class SessionError(KeyError):
-    """Unknown session, or a segment that does not continue the session where it stands."""
+    """Unknown session, or a span that does not continue the session where it stands."""
 
     def __str__(self) -> str:  # KeyError quotes its message; we want plain text
         return str(self.args[0]) if self.args else ""
@@ -24,14 +24,17 @@ class SessionError(KeyError):
 
 @dataclass
 class SessionCache:
-    slot: int  # KDA state slot
+    row: int  # this session's row in the KDA state pools (`kda_state[layer][row]`, `conv_state[layer][row]`)
     blocks: list[int] = field(default_factory=list)  # MLA cache blocks, in position order
     length: int = 0  # tokens already in the cache
 
 
 @dataclass
-class Segment:
-    """A contiguous run of tokens of one session inside a packed batch."""
+class Span:
+    """A run of one session's positions inside a packed batch: tokens `start .. start + length - 1`.
+
+    (The wire protocol's `Segment` in p2pk3/transport carries the same run plus the session epoch and the
+    sampling state; the stage worker turns each one into a `Span`.)"""
 
     session: str
     start: int  # position of the first token (= tokens the session already has on this stage)
@@ -54,7 +57,7 @@ class StageCache:
         # MLA: one paged pool per layer, all indexed by the same per-session block list.
         self.mla_kv = {i: torch.zeros(self.num_blocks, block_size, mla_width, dtype=dtype, device=device) for i in mla_layers}
         self.sessions: dict[str, SessionCache] = {}
-        self._free_slots = list(range(max_sessions - 1, -1, -1))
+        self._free_rows = list(range(max_sessions - 1, -1, -1))
         self._free_blocks = list(range(self.num_blocks - 1, -1, -1))
 
     # ------------------------------------------------------------------ bookkeeping
@@ -68,21 +71,21 @@ class StageCache:
     def open(self, session: str) -> SessionCache:
         if session in self.sessions:
             raise SessionError(f"session {session!r} is already open on this stage")
-        if not self._free_slots:
-            raise CacheFull(f"busy: all {self.max_sessions} session slots of this stage are in use")
-        slot = self._free_slots.pop()
+        if not self._free_rows:
+            raise CacheFull(f"busy: all {self.max_sessions} sessions of this stage are in use")
+        row = self._free_rows.pop()
         for t in self.kda_state.values():
-            t[slot].zero_()
+            t[row].zero_()
         for t in self.conv_state.values():
-            t[slot].zero_()
-        sc = self.sessions[session] = SessionCache(slot=slot)
+            t[row].zero_()
+        sc = self.sessions[session] = SessionCache(row=row)
         return sc
 
     def free(self, session: str) -> None:
         sc = self.sessions.pop(session, None)
         if sc is None:
             raise SessionError(f"unknown session {session!r}")
-        self._free_slots.append(sc.slot)
+        self._free_rows.append(sc.row)
         self._free_blocks.extend(reversed(sc.blocks))
 
     def get(self, session: str) -> SessionCache:
@@ -91,45 +94,46 @@ class StageCache:
         except KeyError:
             raise SessionError(f"unknown session {session!r} on this stage") from None
 
-    def reserve(self, segments: list[Segment]) -> None:
-        """Check positions and make room for every segment before anything is computed (all or nothing)."""
+    def reserve(self, spans: list[Span]) -> None:
+        """Check positions and make room for every span before anything is computed (all or nothing)."""
         need = 0
-        for seg in segments:
-            sc = self.get(seg.session)
-            if seg.start != sc.length:
-                raise SessionError(f"session {seg.session!r}: segment starts at position {seg.start} "
+        for sp in spans:
+            sc = self.get(sp.session)
+            if sp.start != sc.length:
+                raise SessionError(f"session {sp.session!r}: span starts at position {sp.start} "
                                    f"but the stage holds {sc.length} tokens")
             if self.mla_kv:
-                need += max(0, -(-(sc.length + seg.length) // self.block_size) - len(sc.blocks))
+                need += max(0, -(-(sc.length + sp.length) // self.block_size) - len(sc.blocks))
         if need > len(self._free_blocks):
             raise CacheFull(f"busy: MLA cache needs {need} more blocks, {len(self._free_blocks)} free")
         if self.mla_kv:
-            for seg in segments:
-                sc = self.sessions[seg.session]
-                while len(sc.blocks) * self.block_size < sc.length + seg.length:
+            for sp in spans:
+                sc = self.sessions[sp.session]
+                while len(sc.blocks) * self.block_size < sc.length + sp.length:
                     sc.blocks.append(self._free_blocks.pop())
 
-    def commit(self, segments: list[Segment]) -> None:
-        for seg in segments:
-            self.sessions[seg.session].length += seg.length
+    def commit(self, spans: list[Span]) -> None:
+        for sp in spans:
+            self.sessions[sp.session].length += sp.length
 
     # ------------------------------------------------------------------ views for the layers
-    def slots(self, segments: list[Segment], device) -> torch.Tensor:
-        return torch.tensor([self.sessions[s.session].slot for s in segments], dtype=torch.long, device=device)
+    def rows(self, spans: list[Span], device) -> torch.Tensor:
+        """KDA state-pool row of each span's session, [len(spans)] long."""
+        return torch.tensor([self.sessions[s.session].row for s in spans], dtype=torch.long, device=device)
 
-    def block_table(self, segments: list[Segment], device) -> torch.Tensor:
-        width = max(1, max(len(self.sessions[s.session].blocks) for s in segments))
-        bt = torch.zeros(len(segments), width, dtype=torch.int32)
-        for i, s in enumerate(segments):
+    def block_table(self, spans: list[Span], device) -> torch.Tensor:
+        width = max(1, max(len(self.sessions[s.session].blocks) for s in spans))
+        bt = torch.zeros(len(spans), width, dtype=torch.int32)
+        for i, s in enumerate(spans):
             b = self.sessions[s.session].blocks
             bt[i, : len(b)] = torch.tensor(b, dtype=torch.int32)
         return bt.to(device)
 
-    def token_rows(self, segments: list[Segment], device) -> torch.Tensor:
+    def token_rows(self, spans: list[Span], device) -> torch.Tensor:
         """Flat row index (block * block_size + offset) of each new token in the MLA pools."""
         rows = []
         bs = self.block_size
-        for s in segments:
+        for s in spans:
             b = torch.tensor(self.sessions[s.session].blocks, dtype=torch.long)
             p = torch.arange(s.start, s.start + s.length)
             rows.append(b[p // bs] * bs + p % bs)

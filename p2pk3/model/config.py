@@ -8,37 +8,62 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 
 class ConfigError(ValueError):
-    """A config.json that we cannot run exactly: unknown keys, inconsistent values, unsupported features."""
+    """A config.json that we cannot run exactly: missing or inconsistent values, unsupported features (and,
+    with strict=True, keys this engine does not know)."""
 
 
-# Keys that HF configs carry and that do not change the math (or that we check explicitly below).
-_GENERIC_KEYS = {
-    "architectures", "auto_map", "torch_dtype", "dtype", "transformers_version", "use_cache",
-    "initializer_range", "model_type", "attention_dropout", "attention_bias", "pretraining_tp",
-    "rope_scaling", "rope_theta", "rope_parameters", "max_position_embeddings", "model_max_length",
-    "bos_token_id", "eos_token_id", "pad_token_id", "head_dim", "name_or_path", "_name_or_path",
-    "return_dict", "output_hidden_states", "output_attentions", "tie_word_embeddings",
-    "num_nextn_predict_layers", "use_grouped_topk", "topk_method", "num_expert_group", "topk_group",
-    "moe_layer_freq", "first_k_dense_replace", "aux_loss_alpha", "seq_aux", "norm_topk_prob",
-    "scoring_func", "ep_size", "n_group", "quantization_config", "linear_attn_config",
-    "is_decoder", "chunk_size_feed_forward", "problem_type", "id2label", "label2id",
-    "moe_router_activation_func", "moe_renormalize", "mla_use_nope", "use_cache_for_linear",
-    "router_aux_loss_coef", "output_router_logits", "num_experts_per_tok", "n_routed_experts",
-    "n_shared_experts", "kv_lora_rank", "q_lora_rank",
-}
-# Keys of the multimodal K3 wrapper (top level) that do not concern the text tower.
-_WRAPPER_KEYS = {
-    "text_config", "vision_config", "media_placeholder_token_id", "ignore_index", "image_token_index",
-    "projector_hidden_act", "projector_ln_eps", "mm_projector_type", "mm_hidden_size",
-    "vision_feature_layer", "vision_feature_select_strategy", "video_placeholder", "image_placeholder",
-}
+class ConfigWarning(UserWarning):
+    """A config.json key that is neither transformers boilerplate nor a key this engine knows (ignored)."""
 
+
+# What transformers' PretrainedConfig writes into every config.json it saves, at the top level and in each
+# nested config (`text_config`, `vision_config`): 4.x generation defaults (`top_k: 50`, `max_length: 20`, ...),
+# fine-tuning / encoder-decoder / export attributes, 5.x `dtype` and implementation switches. None of them
+# changes the math of this inference-only decoder, so they are ignored without a word at every level (the
+# token ids and `model_type` among them are still read from the text config; `_HF_DEFAULT_ONLY` are checked).
+_HF_BOILERPLATE = frozenset({
+    # bookkeeping
+    "architectures", "auto_map", "model_type", "transformers_version", "_name_or_path", "name_or_path",
+    "_commit_hash", "_attn_implementation_autoset", "attn_implementation", "_attn_implementation",
+    "experts_implementation", "torch_dtype", "dtype", "use_bfloat16", "torchscript", "tf_legacy_loss",
+    # outputs / caching switches
+    "return_dict", "output_hidden_states", "output_attentions", "output_scores", "return_dict_in_generate",
+    "use_cache", "chunk_size_feed_forward", "pruned_heads", "tie_word_embeddings",
+    # encoder-decoder / cross attention
+    "is_encoder_decoder", "is_decoder", "add_cross_attention", "cross_attention_hidden_size",
+    "tie_encoder_decoder", "decoder_start_token_id",
+    # fine-tuning and tokenizer hints
+    "finetuning_task", "id2label", "label2id", "num_labels", "problem_type", "tokenizer_class", "prefix",
+    "task_specific_params",
+    # special token ids
+    "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id",
+    # generation defaults (sampling is configured per request / generation_config.json, not here)
+    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
+    "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
+    "repetition_penalty", "encoder_repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "forced_bos_token_id",
+    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens",
+    "begin_suppress_tokens", "num_assistant_tokens", "num_assistant_tokens_schedule",
+    "assistant_confidence_threshold", "assistant_lookbehind", "target_lookbehind",
+})
+# Boilerplate keys that would describe a different model if they left their default.
+_HF_DEFAULT_ONLY = {"pruned_heads": {}, "is_encoder_decoder": False, "add_cross_attention": False,
+                    "tie_encoder_decoder": False}
+
+# Keys of the multimodal K3 wrapper (top level) besides boilerplate; they do not concern the text tower.
+_WRAPPER_KEYS = frozenset({
+    "text_config", "vision_config", "quantization_config", "media_placeholder_token_id", "ignore_index",
+    "image_token_index", "image_token_id", "video_token_id", "projector_hidden_act", "projector_ln_eps",
+    "mm_projector_type", "mm_hidden_size", "vision_feature_layer", "vision_feature_select_strategy",
+    "video_placeholder", "image_placeholder",
+})
 
 @dataclass(frozen=True)
 class QuantConfig:
@@ -261,11 +286,13 @@ class K3Config:
         return out
 
     @classmethod
-    def from_hf_dict(cls, raw: dict[str, Any], *, strict: bool = True) -> "K3Config":
+    def from_hf_dict(cls, raw: dict[str, Any], *, strict: bool = False) -> "K3Config":
+        """Parse a published config.json (dict). Transformers boilerplate is ignored; keys neither
+        boilerplate nor known to this engine give one ConfigWarning naming them (`strict`: a ConfigError)."""
         return _parse_hf(raw, strict=strict)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, *, strict: bool = True) -> "K3Config":
+    def from_pretrained(cls, path: str | Path, *, strict: bool = False) -> "K3Config":
         p = Path(path)
         if p.is_dir():
             p = p / "config.json"
@@ -276,7 +303,7 @@ class K3Config:
         except json.JSONDecodeError as e:
             raise ConfigError(f"{p}: not valid JSON ({e})") from None
         try:
-            return _parse_hf(raw, strict=strict)
+            return _parse_hf(raw, strict=strict, source=str(p))
         except ConfigError as e:
             raise ConfigError(f"{p}: {e}") from None
 
@@ -323,46 +350,81 @@ def _parse_quant(q: dict[str, Any] | None) -> QuantConfig | None:
                        ignore=tuple(q.get("ignore") or ()))
 
 
-_K3_TEXT_KEYS = {
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-    "intermediate_size", "num_experts", "num_experts_per_token", "num_shared_experts", "moe_intermediate_size",
-    "routed_expert_hidden_size", "latent_moe_use_norm", "hidden_act", "activation_situ_beta",
-    "activation_situ_linear_beta", "attn_res_block_size", "rms_norm_eps", "routed_scaling_factor",
-    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mla_use_output_gate", "full_attn_layers", "kda_layers",
-}
-_LINEAR_ATTN_KEYS = {"num_heads", "head_dim", "short_conv_kernel_size", "gate_lower_bound",
-                     "use_full_rank_gate", "kda_layers", "full_attn_layers"}
+# Model keys of the text config (kimi_linear): read below, checked below, or known not to change the
+# math at inference (training-only knobs, legacy fields, rope_* of a NoPE model).
+_TEXT_KEYS = frozenset({
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "intermediate_size", "num_experts", "num_experts_per_token", "num_experts_per_tok", "n_routed_experts",
+    "num_shared_experts", "n_shared_experts", "moe_intermediate_size", "routed_expert_hidden_size",
+    "latent_moe_use_norm", "hidden_act", "activation_situ_beta", "activation_situ_linear_beta",
+    "attn_res_block_size", "rms_norm_eps", "routed_scaling_factor", "q_lora_rank", "kv_lora_rank",
+    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mla_use_nope", "mla_use_output_gate",
+    "full_attn_layers", "kda_layers", "linear_attn_config", "quantization_config", "max_position_embeddings",
+    "model_max_length", "first_k_dense_replace", "moe_layer_freq", "moe_router_activation_func",
+    "moe_renormalize", "norm_topk_prob", "scoring_func", "topk_method", "use_grouped_topk", "num_expert_group",
+    "n_group", "topk_group", "num_nextn_predict_layers", "rope_theta", "rope_scaling", "rope_parameters",
+    "initializer_range", "attention_dropout", "attention_bias", "pretraining_tp", "aux_loss_alpha", "seq_aux",
+    "router_aux_loss_coef", "output_router_logits", "ep_size", "use_cache_for_linear",
+})
+_LINEAR_ATTN_KEYS = frozenset({"num_heads", "head_dim", "short_conv_kernel_size", "gate_lower_bound",
+                               "use_full_rank_gate", "kda_layers", "full_attn_layers"})
+
+_warned: set[tuple[str, ...]] = set()  # unknown-key sets already reported (warn once per process)
 
 
-def _parse_hf(raw: dict[str, Any], *, strict: bool) -> K3Config:
+def _check_keys(raw: dict[str, Any], known: frozenset[str], where: str) -> list[str]:
+    """Unknown keys of one level (as `where.key`); boilerplate that must keep its default is checked."""
+    for k, default in _HF_DEFAULT_ONLY.items():
+        if k in raw and raw[k] not in (default, None):
+            raise ConfigError(f"{where}{k} = {raw[k]!r}: this engine runs the model only with the default "
+                              f"{default!r} (a decoder-only model without pruned heads or cross attention)")
+    return [where + k for k in sorted(set(raw) - known - _HF_BOILERPLATE)]
+
+
+def _report_unknown(unknown: list[str], strict: bool, source: str) -> None:
+    if not unknown:
+        return
+    if strict:
+        raise ConfigError(f"unknown keys {unknown} (strict: remove them, or load without strict to ignore them)")
+    key = (source, *unknown)
+    if key in _warned:
+        return
+    _warned.add(key)
+    warnings.warn(f"{source}: ignoring keys this engine does not know: {', '.join(unknown)}. If one of them "
+                  f"changes the model, the result will be wrong: check it against p2pk3/model/config.py "
+                  f"(strict=True makes this an error)", ConfigWarning, stacklevel=4)
+
+
+def _parse_hf(raw: dict[str, Any], *, strict: bool, source: str = "config.json") -> K3Config:
+    """`strict`: unknown keys are an error instead of a (once-per-process) ConfigWarning."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"a config must be a JSON object, got {type(raw).__name__}")
     mt = raw.get("model_type")
     quant_raw = raw.get("quantization_config")
+    unknown: list[str] = []
     if mt == "kimi_k3":
-        unknown = set(raw) - _WRAPPER_KEYS - _GENERIC_KEYS
-        if unknown and strict:
-            raise ConfigError(f"unknown top-level keys in a kimi_k3 config: {sorted(unknown)}")
+        unknown += _check_keys(raw, _WRAPPER_KEYS, "")
         text = raw.get("text_config")
         if not isinstance(text, dict):
-            raise ConfigError("kimi_k3 config has no text_config")
+            raise ConfigError("kimi_k3 config has no text_config (the text tower's settings)")
         if text.get("model_type", "kimi_linear") != "kimi_linear":
             raise ConfigError(f"text_config.model_type {text.get('model_type')!r}; expected kimi_linear")
         quant_raw = quant_raw or text.get("quantization_config")
-        model_type = "kimi_k3"
+        model_type, where = "kimi_k3", "text_config."
     elif mt == "kimi_linear":
         text = raw
-        model_type = "kimi_linear"
+        model_type, where = "kimi_linear", ""
     else:
         raise ConfigError(f"model_type {mt!r} is not supported (kimi_k3 or kimi_linear)")
 
-    unknown = set(text) - _K3_TEXT_KEYS - _GENERIC_KEYS
-    if unknown and strict:
-        raise ConfigError(f"unknown keys in the text config: {sorted(unknown)}")
+    unknown += _check_keys(text, _TEXT_KEYS, where)
     lac = text.get("linear_attn_config") or {}
-    bad = set(lac) - _LINEAR_ATTN_KEYS
-    if bad and strict:
-        raise ConfigError(f"unknown keys in linear_attn_config: {sorted(bad)}")
+    if not isinstance(lac, dict):
+        raise ConfigError(f"{where}linear_attn_config must be an object, got {lac!r}")
+    unknown += [f"{where}linear_attn_config.{k}" for k in sorted(set(lac) - _LINEAR_ATTN_KEYS)]
+    _report_unknown(unknown, strict, source)
 
-    L = _int(text, "num_hidden_layers")
+    L = _int(text, "num_hidden_layers", where)
     full1 = lac.get("full_attn_layers", text.get("full_attn_layers"))
     kda1 = lac.get("kda_layers", text.get("kda_layers"))
     if full1 is None and kda1 is None:
@@ -402,8 +464,8 @@ def _parse_hf(raw: dict[str, Any], *, strict: bool) -> K3Config:
     act = text.get("hidden_act", "situ" if is_k3 else "silu")
     return K3Config(
         model_type=model_type,
-        vocab_size=_int(text, "vocab_size"),
-        hidden_size=_int(text, "hidden_size"),
+        vocab_size=_int(text, "vocab_size", where),
+        hidden_size=_int(text, "hidden_size", where),
         num_hidden_layers=L,
         rms_norm_eps=float(text.get("rms_norm_eps", 1e-5)),
         tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
@@ -442,12 +504,12 @@ def _parse_hf(raw: dict[str, Any], *, strict: bool) -> K3Config:
     )
 
 
-def _int(d: dict[str, Any], k: str) -> int:
+def _int(d: dict[str, Any], k: str, where: str = "") -> int:
     if k not in d:
-        raise ConfigError(f"missing required key {k!r}")
+        raise ConfigError(f"missing required key {where + k!r}")
     v = d[k]
     if not isinstance(v, int) or isinstance(v, bool):
-        raise ConfigError(f"{k} must be an integer, got {v!r}")
+        raise ConfigError(f"{where}{k} must be an integer, got {v!r}")
     return v
 
 

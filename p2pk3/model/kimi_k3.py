@@ -1,5 +1,7 @@
 """Kimi K3 (and Kimi Linear) text model, one readable file; module and parameter names mirror the
-checkpoint (`model.layers.N.self_attn.q_proj.weight`, ...). Math and sources: shared/spec
+checkpoint (`model.layers.N.self_attn.q_proj.weight`, ...), except each Attention-Residual pair, which is
+one `AttnResMix` module (`...mlp_res.norm.weight` for the stored `...mlp_res_norm.weight`; the names are
+mapped once, in `K3Stage.load_weights`). Math and sources: shared/spec
 kimi-k3-architecture.md (section numbers in the comments).
 
 Uncertain facts (the official modeling file could not be read; spec section 10) — each is pinned by
@@ -12,7 +14,7 @@ tests/test_model.py::test_uncertain_facts_are_pinned so that changing one is a d
   * SiTU follows the remote code / MLX port, not HF-native transformers' docstring ([V], spec 5.3).
 
 The model is always run as a *stage*: a contiguous run of layers (possibly the whole model, possibly
-half a layer at each end) over a packed batch of token segments from many sessions. What flows between
+half a layer at each end) over a packed batch of token spans from many sessions. What flows between
 stages is a `Hop`: the running prefix sum, the AttnRes snapshot bank and, inside a layer whose experts
 are split over several stages, the partial latent-MoE sum (spec 4.3).
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -28,8 +31,9 @@ import torch.nn.functional as F
 
 from p2pk3_kernels import ops
 
-from .cache import Segment, StageCache
+from .cache import Span, StageCache
 from .config import K3Config
+from .split import even_layer_ranges
 
 
 class ExpertNotHeld(RuntimeError):
@@ -77,20 +81,20 @@ class MLP(nn.Module):
 
 @dataclass
 class Batch:
-    """Everything the layers need to know about a packed batch of segments."""
+    """Everything the layers need to know about a packed batch of spans."""
 
-    segments: list[Segment]
+    spans: list[Span]
     cache: StageCache
     device: torch.device
     cu_seqlens: list[int] = field(init=False)
-    decode: bool = field(init=False)  # every segment is exactly one token
+    decode: bool = field(init=False)  # every span is exactly one token
 
     def __post_init__(self) -> None:
         cu = [0]
-        for s in self.segments:
+        for s in self.spans:
             cu.append(cu[-1] + s.length)
         self.cu_seqlens = cu
-        self.decode = all(s.length == 1 for s in self.segments)
+        self.decode = all(s.length == 1 for s in self.spans)
         self._memo: dict[str, torch.Tensor] = {}
 
     def memo(self, key: str, fn) -> torch.Tensor:
@@ -99,8 +103,9 @@ class Batch:
         return self._memo[key]
 
     @property
-    def slots(self) -> torch.Tensor:
-        return self.memo("slots", lambda: self.cache.slots(self.segments, self.device))
+    def rows(self) -> torch.Tensor:
+        """[len(spans)] long: each span's session row in the KDA state pools."""
+        return self.memo("rows", lambda: self.cache.rows(self.spans, self.device))
 
 
 # ---------------------------------------------------------------------------------------- KDA (spec 2)
@@ -112,6 +117,30 @@ class ShortConv(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(channels, 1, size))
         self.size = size
+
+    def forward(self, x: torch.Tensor, state: torch.Tensor, rows: torch.Tensor,
+                cu_seqlens: list[int] | None = None) -> torch.Tensor:
+        """x [N, C] pre-conv inputs -> SiLU(conv(x)) [N, C] fp32, continuing each sequence's history.
+
+        state [S, C, K-1] fp32: the pool of per-session histories (a view is fine), advanced in place.
+        rows [B]: the pool row of each sequence. cu_seqlens [B+1]: token offsets of the B sequences;
+        None means one token per sequence (decode, N == B)."""
+        w = self.weight[:, 0, :].float()  # [C, K]
+        keep = w.shape[1] - 1
+        xf = x.float()
+        if cu_seqlens is None:
+            win = torch.cat([state[rows], xf.unsqueeze(-1)], -1)  # [B, C, K]
+            out = (win * w).sum(-1)
+            state[rows] = win[..., 1:]
+            return F.silu(out)
+        out = torch.empty_like(xf)
+        for i in range(len(cu_seqlens) - 1):
+            s, e = cu_seqlens[i], cu_seqlens[i + 1]
+            row = int(rows[i])
+            win = torch.cat([state[row], xf[s:e].T], -1)  # [C, K-1+T]
+            out[s:e] = F.conv1d(win.unsqueeze(0), w.unsqueeze(1), groups=w.shape[0])[0].T
+            state[row] = win[:, win.shape[1] - keep:]
+        return F.silu(out)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -135,33 +164,16 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = RMSNorm(K, cfg.rms_norm_eps)
         self.o_proj = linear(H * K, D)
 
-    def _conv(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """x [N, 3C] (q|k|v pre-conv) -> SiLU(conv(x)) [N, 3C] fp32; advances the conv cache."""
-        w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0)[:, 0, :].float()  # [3C, Kc]
-        Kc = w.shape[1]
-        pool = batch.cache.conv_state[self.layer_idx]  # [S, 3C, Kc-1]
-        xf = x.float()
-        if batch.decode:
-            hist = pool[batch.slots]  # [B, 3C, Kc-1]
-            win = torch.cat([hist, xf.unsqueeze(-1)], -1)  # [B, 3C, Kc]
-            out = (win * w).sum(-1)
-            pool[batch.slots] = win[..., 1:]
-            return F.silu(out)
-        out = torch.empty_like(xf)
-        cu = batch.cu_seqlens
-        for i, seg in enumerate(batch.segments):
-            s, e = cu[i], cu[i + 1]
-            slot = int(batch.slots[i])
-            win = torch.cat([pool[slot], xf[s:e].T], -1)  # [3C, Kc-1+T]
-            out[s:e] = F.conv1d(win.unsqueeze(0), w.unsqueeze(1), groups=w.shape[0])[0].T
-            pool[slot] = win[:, -(Kc - 1):]
-        return F.silu(out)
-
     def forward(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         N = x.shape[0]
         H, K = self.H, self.K
-        qkv = self._conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1), batch).to(x.dtype)
-        q, k, v = (t.reshape(N, H, K) for t in qkv.split(H * K, -1))
+        C = H * K
+        hist = batch.cache.conv_state[self.layer_idx]  # [S, 3C, K-1]: q | k | v conv histories
+        rows, seqs = batch.rows, (None if batch.decode else batch.cu_seqlens)
+        q = self.q_conv1d(self.q_proj(x), hist[:, :C], rows, seqs)
+        k = self.k_conv1d(self.k_proj(x), hist[:, C:2 * C], rows, seqs)
+        v = self.v_conv1d(self.v_proj(x), hist[:, 2 * C:], rows, seqs)
+        q, k, v = (t.to(x.dtype).reshape(N, H, K) for t in (q, k, v))
         a = self.f_b_proj(self.f_a_proj(x)).view(N, H, K)
         b = self.b_proj(x).float()
         state = batch.cache.kda_state[self.layer_idx]
@@ -169,10 +181,10 @@ class KimiDeltaAttention(nn.Module):
         args = (A_log, self.dt_bias, state)
         scale, lb = K ** -0.5, self.cfg.kda_gate_lower_bound
         if batch.decode:
-            o = ops.kda_decode(q, k, v, a, b, *args, batch.slots, scale, lb)
+            o = ops.kda_decode(q, k, v, a, b, *args, batch.rows, scale, lb)
         else:
             cu = batch.memo("cu", lambda: torch.tensor(batch.cu_seqlens, dtype=torch.int32, device=batch.device))
-            o = ops.kda_prefill(q, k, v, a, b, *args, cu, batch.slots, scale, lb)
+            o = ops.kda_prefill(q, k, v, a, b, *args, cu, batch.rows, scale, lb)
         g = self.g_proj(x) if self.cfg.kda_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
         # per-head RMSNorm (fp32 weight) times sigmoid(output gate), fp32, then o_proj (spec 2.3)
         h = o.float()
@@ -182,12 +194,25 @@ class KimiDeltaAttention(nn.Module):
 
 
 # ----------------------------------------------------------------------------------- gated MLA (spec 3)
-class GatedMLA(nn.Module):
-    mode = "auto"  # "auto": absorbed form for all-decode batches, naive otherwise; "naive" / "absorbed" force
+MLA_MODES = ("auto", "naive", "absorbed")
 
-    def __init__(self, cfg: K3Config, layer_idx: int):
+
+def check_mla_mode(mode: str) -> str:
+    if mode not in MLA_MODES:
+        raise ValueError(f"MLA mode {mode!r}: expected one of {MLA_MODES} ('auto': the absorbed form for "
+                         f"all-decode batches and the naive form otherwise; 'naive' / 'absorbed' force one)")
+    return mode
+
+
+class GatedMLA(nn.Module):
+    """Gated MLA with NoPE (spec 3). `mode` picks the attention form per instance: "auto" (absorbed for
+    all-decode batches, naive otherwise), "naive" or "absorbed" (tests compare the two; see
+    `K3Stage.set_mla_mode` for a whole stage)."""
+
+    def __init__(self, cfg: K3Config, layer_idx: int, mode: str = "auto"):
         super().__init__()
         self.cfg, self.layer_idx = cfg, layer_idx
+        self.mode = check_mla_mode(mode)
         D, H = cfg.hidden_size, cfg.num_attention_heads
         self.H = H
         if cfg.q_lora_rank:
@@ -219,7 +244,7 @@ class GatedMLA(nn.Module):
         latent = torch.cat([self.kv_a_layernorm(kv[:, :R]), kv[:, R:]], -1)  # [N, 576]: normed c ; raw k_pe
         pool = batch.cache.mla_kv[self.layer_idx]
         flat = pool.view(-1, pool.shape[-1])
-        rows = batch.memo("rows", lambda: batch.cache.token_rows(batch.segments, batch.device))
+        rows = batch.memo("token_rows", lambda: batch.cache.token_rows(batch.spans, batch.device))
         flat[rows] = latent.to(pool.dtype)
         w_uk, w_uv = self._wkv()
         scale = c.q_head_dim ** -0.5
@@ -233,15 +258,15 @@ class GatedMLA(nn.Module):
         return self.o_proj(o)
 
     def _naive(self, q_nope, q_pe, w_uk, w_uv, flat, batch: Batch, scale):
-        """Expanded form (spec 3.1) per segment against the whole cached sequence, causal."""
+        """Expanded form (spec 3.1) per span against the whole cached sequence, causal."""
         R = self.cfg.kv_lora_rank
         out = torch.empty(q_nope.shape[0], self.H, self.cfg.v_head_dim, dtype=q_nope.dtype, device=q_nope.device)
         cu = batch.cu_seqlens
         bs = batch.cache.block_size
-        for i, seg in enumerate(batch.segments):
+        for i, sp in enumerate(batch.spans):
             s, e = cu[i], cu[i + 1]
-            blocks = torch.tensor(batch.cache.sessions[seg.session].blocks, device=flat.device)
-            L = seg.start + seg.length
+            blocks = torch.tensor(batch.cache.sessions[sp.session].blocks, device=flat.device)
+            L = sp.start + sp.length
             pos = torch.arange(L, device=flat.device)
             idx = blocks[pos // bs] * bs + pos % bs
             kv = flat[idx].to(q_nope.dtype)  # [L, 576]
@@ -250,7 +275,7 @@ class GatedMLA(nn.Module):
             v = torch.einsum("lr,hdr->hld", ckv, w_uv)  # [H, L, dv]
             sc = (torch.einsum("thd,hld->htl", q_nope[s:e], k_nope).float()
                   + torch.einsum("thd,ld->htl", q_pe[s:e], k_pe).float()) * scale
-            pos_q = torch.arange(seg.start, L, device=sc.device)
+            pos_q = torch.arange(sp.start, L, device=sc.device)
             mask = torch.arange(L, device=sc.device)[None, :] > pos_q[:, None]
             p = torch.softmax(sc.masked_fill(mask, -float("inf")), -1)
             out[s:e] = torch.einsum("htl,hld->thd", p, v.float()).to(out.dtype)
@@ -260,17 +285,17 @@ class GatedMLA(nn.Module):
         """Weight-absorbed form over the 576-wide latent cache (spec 3.2)."""
         q_lat = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)  # [N, H, R]
         if batch.decode:
-            bt = batch.memo("bt", lambda: batch.cache.block_table(batch.segments, batch.device))
-            lens = batch.memo("lens", lambda: torch.tensor([s.start + 1 for s in batch.segments], dtype=torch.int32, device=batch.device))
+            bt = batch.memo("bt", lambda: batch.cache.block_table(batch.spans, batch.device))
+            lens = batch.memo("lens", lambda: torch.tensor([s.start + 1 for s in batch.spans], dtype=torch.int32, device=batch.device))
             z = ops.mla_decode(q_lat, q_pe, pool, bt, lens, scale)
         else:  # absorbed prefill (tests): each token attends to its causal prefix
             z = torch.empty(q_lat.shape, dtype=torch.float32, device=q_lat.device)
-            bt_all = batch.cache.block_table(batch.segments, batch.device)
-            for i, seg in enumerate(batch.segments):
-                for t in range(seg.length):
+            bt_all = batch.cache.block_table(batch.spans, batch.device)
+            for i, sp in enumerate(batch.spans):
+                for t in range(sp.length):
                     n = batch.cu_seqlens[i] + t
                     z[n] = ops.mla_decode(q_lat[n:n + 1], q_pe[n:n + 1], pool, bt_all[i:i + 1],
-                                          torch.tensor([seg.start + t + 1], dtype=torch.int32), scale)[0]
+                                          torch.tensor([sp.start + t + 1], dtype=torch.int32), scale)[0]
         return torch.einsum("nhr,hdr->nhd", z.to(q_nope.dtype), w_uv)
 
 
@@ -405,30 +430,51 @@ class LatentMoE(nn.Module):
 
 # ------------------------------------------------------------------------------ decoder layer (1.4, 4)
 class AttnResMix(nn.Module):
-    """The (norm, proj) pair of one Attention-Residual mix; w_eff = norm.weight * proj.weight (spec 4.2)."""
+    """One Attention-Residual mix (spec 4.2): a softmax over the block snapshots and the running sum,
+    scored by RMS-normalised candidates against the pseudo-query w = norm.weight * proj.weight.
 
-    def __init__(self, owner: nn.Module, prefix: str, cfg: K3Config):
+    Module paths are `<name>.norm.weight` / `<name>.proj.weight`; the checkpoint stores them as
+    `<name>_norm.weight` / `<name>_proj.weight` (`checkpoint_to_module` / `module_to_checkpoint` map the
+    names; `K3Stage.load_weights` takes checkpoint names)."""
+
+    def __init__(self, cfg: K3Config):
         super().__init__()
-        setattr(owner, f"{prefix}_norm", RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
-        setattr(owner, f"{prefix}_proj", linear(cfg.hidden_size, 1))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.proj = linear(cfg.hidden_size, 1)
+
+    def forward(self, bank: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
+        """bank [R, N, D] snapshots, prefix [N, D] running sum -> mixed input [N, D] (dtype of prefix)."""
+        w = self.norm.weight.float() * self.proj.weight[0].float()
+        return ops.attnres_mix(bank, prefix, w, self.norm.eps)
 
 
-def attn_res(owner: nn.Module, prefix: str, bank: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    norm, proj = getattr(owner, f"{prefix}_norm"), getattr(owner, f"{prefix}_proj")
-    w = norm.weight.float() * proj.weight[0].float()
-    return ops.attnres_mix(bank, p, w, norm.eps)
+# Checkpoint names of the AttnRes pairs vs. module paths (the only names that differ, see AttnResMix).
+_ATTN_RES = "self_attention_res|mlp_res|output_attn_res"
+_CKPT_ATTN_RES = re.compile(rf"\.({_ATTN_RES})_(norm|proj)\.weight$")
+_MODULE_ATTN_RES = re.compile(rf"\.({_ATTN_RES})\.(norm|proj)\.weight$")
+
+
+def checkpoint_to_module(name: str) -> str:
+    """Checkpoint tensor name (p2pk3.model.weights) -> parameter path in K3Stage; the identity except for
+    AttnRes: `model.layers.3.mlp_res_norm.weight` -> `model.layers.3.mlp_res.norm.weight`."""
+    return _CKPT_ATTN_RES.sub(r".\1.\2.weight", name)
+
+
+def module_to_checkpoint(name: str) -> str:
+    """Inverse of `checkpoint_to_module` (export a trained stage under the published names)."""
+    return _MODULE_ATTN_RES.sub(r".\1_\2.weight", name)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: K3Config, i: int, parts: tuple[str, ...] = ("attn", "mlp"),
-                 experts: list[int] | None = None, covered: list[int] | None = None):
+                 experts: list[int] | None = None, covered: list[int] | None = None, mla_mode: str = "auto"):
         super().__init__()
         self.cfg, self.layer_idx, self.parts = cfg, i, parts
         if "attn" in parts:
             self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            self.self_attn = KimiDeltaAttention(cfg, i) if cfg.layer_types[i] == "kda" else GatedMLA(cfg, i)
+            self.self_attn = KimiDeltaAttention(cfg, i) if cfg.layer_types[i] == "kda" else GatedMLA(cfg, i, mla_mode)
             if cfg.uses_attn_res:
-                AttnResMix(self, "self_attention_res", cfg)
+                self.self_attention_res = AttnResMix(cfg)
         if "mlp" in parts:
             self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             if cfg.is_moe_layer(i):
@@ -436,14 +482,14 @@ class DecoderLayer(nn.Module):
             else:
                 self.mlp = MLP(cfg, cfg.intermediate_size)
             if cfg.uses_attn_res:
-                AttnResMix(self, "mlp_res", cfg)
+                self.mlp_res = AttnResMix(cfg)
 
     def attn_part(self, h: "Hop", batch: Batch) -> None:
         c = self.cfg
         if not c.uses_attn_res:
             h.prefix = h.prefix + self.self_attn(self.input_layernorm(h.prefix), batch)
             return
-        x = attn_res(self, "self_attention_res", h.bank, h.prefix) if h.bank.shape[0] else h.prefix
+        x = self.self_attention_res(h.bank, h.prefix) if h.bank.shape[0] else h.prefix
         fresh = self.layer_idx % c.attn_res_block_size == 0
         if fresh:  # snapshot the pre-mix running sum, start a new block
             h.bank = torch.cat([h.bank, h.prefix.unsqueeze(0)], 0)
@@ -452,7 +498,7 @@ class DecoderLayer(nn.Module):
 
     def mlp_part(self, h: "Hop", batch: Batch, finish: bool) -> None:
         c = self.cfg
-        x = attn_res(self, "mlp_res", h.bank, h.prefix) if c.uses_attn_res else h.prefix
+        x = self.mlp_res(h.bank, h.prefix) if c.uses_attn_res else h.prefix
         x = self.post_attention_layernorm(x)
         if not c.is_moe_layer(self.layer_idx):
             h.prefix = h.prefix + self.mlp(x)
@@ -502,31 +548,35 @@ class StagePlan:
 
     @classmethod
     def split_even(cls, cfg: K3Config, n: int) -> list["StagePlan"]:
-        L = cfg.num_hidden_layers
-        bounds = [round(k * L / n) for k in range(n + 1)]
-        return [cls(layers=list(range(bounds[k], bounds[k + 1])), embed=k == 0, head=k == n - 1) for k in range(n)]
+        """`n` stages of whole layers, cut by `p2pk3.model.split.even_layer_ranges` (the larger ones first)."""
+        ranges = even_layer_ranges(cfg.num_hidden_layers, n)
+        return [cls(layers=list(r), embed=k == 0, head=k == n - 1) for k, r in enumerate(ranges)]
 
     def parts_of(self, i: int) -> tuple[str, ...]:
         return self.parts.get(i, ("attn", "mlp"))
 
 
 class K3Stage(nn.Module):
-    """A contiguous piece of the model. `forward` runs one packed batch through it."""
+    """A contiguous piece of the model. `forward` runs one packed batch through it.
 
-    def __init__(self, cfg: K3Config, plan: StagePlan):
+    mla_mode: the attention form of every MLA layer of the stage ("auto", "naive" or "absorbed", see
+    GatedMLA); `set_mla_mode` changes it later."""
+
+    def __init__(self, cfg: K3Config, plan: StagePlan, mla_mode: str = "auto"):
         super().__init__()
         self.cfg, self.plan = cfg, plan
+        check_mla_mode(mla_mode)
         self.model = nn.Module()
         if plan.embed:
             self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.model.layers = nn.ModuleDict({
-            str(i): DecoderLayer(cfg, i, plan.parts_of(i), plan.experts.get(i), plan.covered.get(i))
+            str(i): DecoderLayer(cfg, i, plan.parts_of(i), plan.experts.get(i), plan.covered.get(i), mla_mode)
             for i in plan.layers
         })
         if plan.head:
             self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             if cfg.uses_attn_res:
-                AttnResMix(self.model, "output_attn_res", cfg)
+                self.model.output_attn_res = AttnResMix(cfg)
             if not cfg.tie_word_embeddings:
                 self.lm_head = linear(cfg.hidden_size, cfg.vocab_size)
 
@@ -542,20 +592,27 @@ class K3Stage(nn.Module):
 
     act_dtype: torch.dtype = torch.float32  # set by load_weights
 
+    def set_mla_mode(self, mode: str) -> None:
+        """Attention form of every MLA layer of this stage: "auto", "naive" or "absorbed"."""
+        check_mla_mode(mode)
+        for m in self.modules():
+            if isinstance(m, GatedMLA):
+                m.mode = mode
+
     @property
     def device(self) -> torch.device:
         return next(self.parameters()).device
 
     # ---------------------------------------------------------------- run
-    def forward(self, segments: list[Segment], cache: StageCache, *, tokens: torch.Tensor | None = None,
+    def forward(self, spans: list[Span], cache: StageCache, *, tokens: torch.Tensor | None = None,
                 hop: Hop | None = None, logits: str = "last") -> Hop | torch.Tensor:
         """Run a packed batch. First stage: `tokens` [N]; others: `hop`. Last stage returns logits
-        (fp32; "last": one row per segment, "all": one per token, "none": the final hidden state),
+        (fp32; "last": one row per span, "all": one per token, "none": the final hidden state),
         others the Hop for the next stage. The cache is updated only if the whole batch succeeds
         its admission check (`reserve`). Call under torch.inference_mode() when serving; without it the
         forward is differentiable (training uses the same path with a throw-away cache)."""
-        cache.reserve(segments)
-        batch = Batch(segments, cache, self.device)
+        cache.reserve(spans)
+        batch = Batch(spans, cache, self.device)
         if self.plan.embed:
             x = self.model.embed_tokens(tokens.to(self.device))
             R0 = 0
@@ -568,14 +625,14 @@ class K3Stage(nn.Module):
                 layer.attn_part(hop, batch)
             if "mlp" in parts:
                 layer.mlp_part(hop, batch, self.plan.finish.get(i, True))
-        cache.commit(segments)
+        cache.commit(spans)
         if not self.plan.head:
             return hop
         return self.head(hop, batch.cu_seqlens, logits)
 
     def head(self, hop: Hop, cu_seqlens: list[int], which: str = "last") -> torch.Tensor:
         m = self.model
-        h = attn_res(m, "output_attn_res", hop.bank, hop.prefix) if self.cfg.uses_attn_res else hop.prefix
+        h = m.output_attn_res(hop.bank, hop.prefix) if self.cfg.uses_attn_res else hop.prefix
         if which == "last":
             h = h[torch.tensor([e - 1 for e in cu_seqlens[1:]], device=h.device)]
         h = m.norm(h)
@@ -595,8 +652,9 @@ class K3Stage(nn.Module):
         return t
 
     def load_weights(self, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> None:
-        """Load canonical checkpoint names (see weights.py). Float weights are cast to `dtype`, except the
-        ones K3 keeps in fp32 (conv, A_log, dt_bias, o_norm, correction bias); experts stay packed."""
+        """Load canonical checkpoint names (see weights.py; mapped to module paths here, the one place that
+        does it: `checkpoint_to_module`). Float weights are cast to `dtype`, except the ones K3 keeps in
+        fp32 (conv, A_log, dt_bias, o_norm, correction bias); experts stay packed."""
         expected = self.expected_tensors()
         missing = sorted(set(expected) - set(state))
         if missing:
@@ -610,8 +668,9 @@ class K3Stage(nn.Module):
                 moe_maps[f"model.layers.{i}.block_sparse_moe."] = (moe, moe.expert_state_names())
         for name in expected:
             t = state[name]
-            if name in params:
-                p = params[name]
+            path = checkpoint_to_module(name)
+            if path in params:
+                p = params[path]
                 keep32 = expected[name].dtype == torch.float32
                 with torch.no_grad():
                     if tuple(p.shape) != tuple(t.shape):
@@ -635,9 +694,9 @@ class K3Stage(nn.Module):
 
 
 def build_stage(cfg: K3Config, plan: StagePlan, state: dict[str, torch.Tensor], dtype=torch.float32,
-                device="cpu") -> K3Stage:
+                device="cpu", mla_mode: str = "auto") -> K3Stage:
     with torch.device("meta"):
-        stage = K3Stage(cfg, plan)
+        stage = K3Stage(cfg, plan, mla_mode)
     stage = stage.to_empty(device=device)
     for m in stage.modules():
         if isinstance(m, LatentMoE):

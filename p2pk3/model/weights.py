@@ -2,7 +2,8 @@
 
 Names are canonical: `model.layers.N...`, `model.embed_tokens.weight`, `lm_head.weight`, without the
 multimodal wrapper's `language_model.` prefix (the loader strips and the tiny-checkpoint writer adds it).
-The model modules use exactly these names, so a loaded state dict goes straight into `load_state_dict`.
+`K3Stage.load_weights` takes exactly these names; module paths equal them except the AttnRes pairs
+(`...mlp_res_norm.weight` is the module `...mlp_res.norm.weight`, see kimi_k3.checkpoint_to_module).
 """
 from __future__ import annotations
 
@@ -125,3 +126,15 @@ def all_tensors(cfg: K3Config) -> dict[str, TensorSpec]:
         t.update(layer_tensors(cfg, i))
     t.update(head_tensors(cfg))
     return t
+
+
+def mlp_tensors(cfg: K3Config, i: int, experts: Iterable[int] | None = None, *,
+                finish: bool = True) -> dict[str, TensorSpec]:
+    """The MLP half of layer `i` as one ring slot holds it. `experts`: routed experts (None = all).
+    `finish`: the slot finishes the layer; when a MoE layer is split by experts over several slots, only
+    the finishing one holds the shared experts and the latent up-projection (the others hold the norms,
+    the router, the latent down-projection and their experts)."""
+    t = layer_tensors(cfg, i, experts=experts, parts=("mlp",))
+    if finish:
+        return t
+    return {k: v for k, v in t.items() if ".shared_experts." not in k and ".routed_expert_up_proj." not in k}
