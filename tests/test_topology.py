@@ -1,4 +1,4 @@
-"""Topology file: parsing, TOML writing, validation errors, splits, stage plans, memory estimates."""
+"""Topology file: parsing, TOML writing, validation errors, splits, slot plans, memory estimates."""
 from __future__ import annotations
 
 import copy
@@ -7,12 +7,14 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import tomli_w
 
 from p2pk3.model.config import KIMI_K3, TINY_K3
+from p2pk3.model.split import even_layer_ranges
 from p2pk3.model.weights import embed_tensors, head_tensors, layer_tensors
 from p2pk3.topology import (
-    GiB, MemorySpec, Slot, Topology, TopologyError, balanced_split, dumps_toml, estimate_slot_bytes, even_split,
-    format_ranges, parse_ranges, slot_tensors, weight_bytes,
+    ClusterSpec, GiB, MemorySpec, ModelSpec, Slot, Topology, TopologyError, balanced_split, estimate_slot_bytes,
+    even_split, format_ranges, parse_ranges, slot_plan, slot_tensors, weight_bytes,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +47,7 @@ def test_local_example_and_plans():
     assert [s.id for s in t.active] == ["s0", "s1", "s2", "s3"] and t.standby == []
     assert t.static_addresses()["s2"] == ("127.0.0.1", 47922)
     assert t.model_config() == TINY_K3
-    p0, p1, p2, p3 = t.stage_plans(TINY_K3)
+    p0, p1, p2, p3 = t.slot_plans(TINY_K3)
     assert p0.embed and not p0.head and [l.layer for l in p0.layers] == [0, 1] and p0.next_slot == "s1"
     assert p2.exits_mid_moe and not p2.enters_mid_moe
     l4 = p2.layers[0]
@@ -72,35 +74,47 @@ def test_local_example_and_plans():
 
 def test_estimate_counts_embedding_head_and_caches():
     t = Topology.load(ROOT / "topology" / "local-4.toml")
-    s0, s3 = t.slot("s0"), t.slot("s3")
+    p0, p3 = t.slot_plan("s0", TINY_K3), t.slot_plan("s3", TINY_K3)
 
     def nb(d):
         return sum(math.prod(v.shape) * v.dtype.itemsize for v in d.values())
 
     w0 = nb(embed_tensors(TINY_K3)) + nb(layer_tensors(TINY_K3, 0)) + nb(layer_tensors(TINY_K3, 1))
     mem = MemorySpec(sessions=0, context=0, prefill_chunk=0, overhead_gb=0)
-    assert estimate_slot_bytes(TINY_K3, s0, mem) == w0
-    assert estimate_slot_bytes(TINY_K3, s0) > w0 + GiB  # default overhead and caches
-    assert estimate_slot_bytes(TINY_K3, s3, mem) > nb(head_tensors(TINY_K3))
-    assert estimate_slot_bytes(TINY_K3, Slot("x", None, 1, standby=True)) == 0
+    assert estimate_slot_bytes(TINY_K3, p0, mem) == w0
+    assert estimate_slot_bytes(TINY_K3, p0) > w0 + GiB  # default overhead and caches
+    assert estimate_slot_bytes(TINY_K3, p3, mem) > nb(head_tensors(TINY_K3))
+    spare = Slot("x", None, 1, standby=True)
+    assert estimate_slot_bytes(TINY_K3, slot_plan(TINY_K3, [], spare)) == 0
     # the fast byte count equals the tensor inventory, on tiny and on a split K3 slot
-    for p in t.stage_plans(TINY_K3):
+    for p in t.slot_plans(TINY_K3):
         assert weight_bytes(TINY_K3, p) == nb(slot_tensors(TINY_K3, p))
     k = Topology.load(ROOT / "topology" / "k3-80x5090.toml")
     for sid in ("gpu00", "gpu01", "gpu77"):
-        p = k.stage_plan(sid, KIMI_K3)
+        p = k.slot_plan(sid, KIMI_K3)
         assert weight_bytes(KIMI_K3, p) == nb(slot_tensors(KIMI_K3, p))
 
 
-def test_dump_round_trip_and_writer():
+def test_dump_round_trip():
     t = Topology.load(ROOT / "topology" / "local-4.toml")
-    text = t.dump(comment="hello\nworld")
-    assert text.startswith("# hello\n# world\n")
-    t2 = Topology.loads(text)
-    assert t2.to_dict() == t.to_dict()
-    doc = {"a": 1, "b": "q\"uote\\\n\tx\x01", "t": {"f": 1.0, "g": 1e30, "l": [1, 2], "i": {"5": "0-1", "x y": True}},
-           "arr": [{"k": 1}, {"k": 2, "e": {}}]}
-    assert tomllib.loads(dumps_toml(doc)) == doc
+    text = t.dump(comment="hello\n\nworld ")
+    assert text.startswith("# hello\n#\n# world\n\n[cluster]\n")
+    assert Topology.loads(text).to_dict() == t.to_dict()
+    k = Topology.load(ROOT / "topology" / "k3-80x5090.toml")
+    assert Topology.loads(k.dump()).to_dict() == k.to_dict()
+    # every field set, with values that need quoting and escapes
+    full = Topology(
+        ClusterSpec('lab "A"\\x', "keys/c.key", 47001, ["10.0.0.255", "127.255.255.255"]),
+        ModelSpec(repo="moonshotai/Kimi-K3", revision="v1.0", preset="kimi-k3"),
+        [Slot("gpu.0", (0, 1), 31.5, "10.0.0.5", 47920, {1: (0, 1, 2, 7)}),
+         Slot("gpu_1", (1, 5), 24, None, None, {1: tuple(range(3, 7)) + (8,)}),
+         Slot("spare-0", None, 0.25, "::1", 65535, standby=True)],
+        MemorySpec(sessions=2, context=100, prefill_chunk=0, overhead_gb=1.5))
+    text = full.dump()
+    back = Topology.loads(text)
+    assert (back.cluster, back.model, back.memory) == (full.cluster, full.model, full.memory)
+    assert [vars(s) for s in back.slots] == [vars(s) for s in full.slots]
+    assert tomllib.loads(text) == full.to_dict()
 
 
 @pytest.mark.parametrize("n", range(1, TINY_K3.num_hidden_layers + 1))
@@ -111,13 +125,19 @@ def test_even_split_covers_every_layer_once(n):
     assert covered == list(range(TINY_K3.num_hidden_layers))
     sizes = [len(s.layer_range) for s in t.active]
     assert max(sizes) - min(sizes) <= 1
+    # the same cut as the in-process pipeline (`score --stages n`)
+    assert [s.layer_range for s in t.active] == even_layer_ranges(TINY_K3.num_hidden_layers, n)
     assert [s.port for s in t.active] == [47920 + i for i in range(n)]
     assert Topology.loads(t.dump()).to_dict() == t.to_dict()
 
 
 def test_even_split_too_many_nodes_and_standby():
-    with pytest.raises(TopologyError, match="7 nodes but only 6 layers: use balanced_split"):
+    with pytest.raises(TopologyError, match="7 nodes but only 6 layers: .*use `p2pk3 topology init --split experts`"):
         even_split(TINY_K3, 7)
+    with pytest.raises(TopologyError, match="need at least one node"):
+        even_split(TINY_K3, 0)
+    assert [s.layer_range for s in even_split(KIMI_K3, 4).slots] == [range(0, 24), range(24, 47), range(47, 70),
+                                                                    range(70, 93)]
     t = even_split(TINY_K3, 3, n_standby=1, gpu_memory_gb=4)
     assert [s.id for s in t.standby] == ["s3"] and t.validate(TINY_K3) == []
 
@@ -139,9 +159,10 @@ def test_k3_80x5090_example_validates():
     assert len(t.active) == 78 and len(t.standby) == 2 and len(t.slots) == 80
     assert all(s.gpu_memory_gb <= 32 for s in t.slots)
     # a 32 GB card cannot hold two whole K3 layers, so layers are split by experts
-    assert estimate_slot_bytes(KIMI_K3, Slot("two", (1, 2), 31.5)) > 31.5 * GiB
+    two = Slot("two", (1, 2), 31.5)
+    assert estimate_slot_bytes(KIMI_K3, slot_plan(KIMI_K3, [two], two)) > 31.5 * GiB
     assert any(s.experts for s in t.active)
-    plans = t.stage_plans(KIMI_K3)
+    plans = t.slot_plans(KIMI_K3)
     assert plans[0].embed and plans[-1].head
     # the bytes per token of the hops: at most 9 x 7168 x 2 (+ 3584 x 2 for a split layer)
     hop = [p.hop_bytes_per_token_out(KIMI_K3) for p in plans[:-1]]
@@ -298,14 +319,94 @@ def test_standby_warning_and_secret(tmp_path):
     d["slots"].append({"id": "tiny-spare", "standby": True, "gpu_memory_gb": 0.1})
     d["cluster"]["secret_file"] = "c.key"
     p = tmp_path / "t.toml"
-    p.write_text(dumps_toml(d))
+    p.write_text(tomli_w.dumps(d))
     t = Topology.load(p)
     warns = t.validate(TINY_K3)
     assert warns and "standby slot tiny-spare (0.1 GiB) cannot take over any active slot" in warns[0]
-    with pytest.raises(TopologyError, match="does not exist"):
+    key = tmp_path / "c.key"
+    with pytest.raises(TopologyError, match=f"secret file {key} does not exist "
+                                            f"\\(create one with `p2pk3 secret --out {key}`\\)"):
         t.secret()
-    (tmp_path / "c.key").write_text("short\n")
+    key.write_text("short\n")
     with pytest.raises(TopologyError, match="at least 16 random bytes"):
         t.secret()
-    (tmp_path / "c.key").write_text("ab" * 32 + "\n")
+    key.write_text("ab" * 32 + "\n")
     assert t.secret() == b"ab" * 32
+    t.cluster.secret_file = None
+    with pytest.raises(TopologyError, match=f"no secret_file: .*`p2pk3 secret --out {tmp_path / 'cluster.key'}`"):
+        t.secret()
+
+
+def test_paths_resolve_against_the_topology_folder(tmp_path):
+    t = Topology.load(ROOT / "topology" / "local-4.toml")
+    assert t.resolve("m/config.json") == ROOT / "topology" / "m" / "config.json"
+    assert t.resolve(tmp_path / "x") == tmp_path / "x"
+    assert t.resolve("~/k") == Path.home() / "k"
+    assert Topology.loads((ROOT / "topology" / "local-4.toml").read_text()).resolve("k") == Path("k")
+
+
+def test_plans_follow_the_current_slot_list():
+    """Slots added to (or removed from) `slots` after construction get the plan of where they are now."""
+    whole = Topology.load(ROOT / "topology" / "local-4.toml")
+    t = Topology.load(ROOT / "topology" / "local-4.toml")
+    tail = t.slots[2:]
+    del t.slots[2:]
+    t.slots += [Slot(s.id, s.layers, s.gpu_memory_gb, s.host, s.port, dict(s.experts)) for s in tail]
+    assert t.validate(TINY_K3) == []
+    assert t.slot_plans(TINY_K3) == whole.slot_plans(TINY_K3)
+    p2 = t.slot_plan("s2", TINY_K3)
+    assert p2.index == 2 and p2.next_slot == "s3" and p2.exits_mid_moe and not p2.layers[0].finish
+    # without s3, s2 alone holds layer 4: it is no longer split (and validation says what is missing)
+    t.slots.pop()
+    p2 = t.slot_plan("s2", TINY_K3)
+    assert p2.next_slot is None and not p2.exits_mid_moe and p2.layers[0].finish and not p2.layers[0].all_experts
+    assert "experts 4-7 of layer 4 are on no slot" in str(pytest.raises(TopologyError, t.validate, TINY_K3).value)
+    # a standby slot turned active joins the ring
+    t.slots.append(Slot("s3", (5, 5), 2))
+    assert t.slot_plan("s3", TINY_K3).head and t.slot_plan("s2", TINY_K3).next_slot == "s3"
+
+
+def test_slot_plan_needs_a_slot_of_the_ring():
+    t = Topology.load(ROOT / "topology" / "local-4.toml")
+    stranger = Slot("s9", (0, 1), 2)
+    with pytest.raises(ValueError, match="slot s9 is not one of the active slots s0, s1, s2, s3; add it"):
+        t.slot_plan(stranger, TINY_K3)
+    alone = slot_plan(TINY_K3, [stranger], stranger)
+    assert alone.embed and not alone.head and alone.index == 0 and [lp.layer for lp in alone.layers] == [0, 1]
+    assert t.slot_plan(t.slot("s1"), TINY_K3) == t.slot_plan("s1", TINY_K3)
+
+
+def test_error_slot_fields():
+    d = base()
+    del d["slots"][1]["layers"]
+    assert "slot s1 has no layers (set layers = [first, last], or standby = true)" in errors_of(d)
+    d = base()
+    del d["slots"][1]["gpu_memory_gb"]
+    assert "slot s1 has no gpu_memory_gb" in errors_of(d)
+    t = Topology.load(ROOT / "topology" / "local-4.toml")
+    t.slot("s2").experts[4] = ()
+    with pytest.raises(TopologyError, match="slot s2: empty expert list for layer 4"):
+        t.validate(TINY_K3)
+
+
+def test_later_rules_wait_for_the_ones_they_need():
+    # malformed slot layers: the ring rules (gaps, order) do not run on them
+    d = base()
+    d["slots"][1]["layers"] = [3, 2]
+    with pytest.raises(TopologyError) as ei:
+        Topology.from_dict(d).validate(TINY_K3)
+    assert ei.value.errors == ["slot s1: layers [3, 2] is reversed"]
+    # a layout error: no memory check (which sizes each slot's plan)
+    d = base()
+    d["slots"][0]["gpu_memory_gb"] = 0.5
+    d["slots"][1]["id"] = "s0"
+    with pytest.raises(TopologyError) as ei:
+        Topology.from_dict(d).validate(TINY_K3)
+    assert ei.value.errors == ["duplicate slot id 's0' (2 slots)"]
+    # a non-blocking error (no gpu_memory_gb) does not hide the ring errors
+    d = base()
+    del d["slots"][0]["gpu_memory_gb"]
+    d["slots"][1]["layers"] = [2, 2]
+    with pytest.raises(TopologyError) as ei:
+        Topology.from_dict(d).validate(TINY_K3)
+    assert ei.value.errors == ["slot s0 has no gpu_memory_gb", "layer 3 is not assigned to any slot"]

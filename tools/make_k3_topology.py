@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from p2pk3.model.config import KIMI_K3  # noqa: E402
-from p2pk3.topology import GiB, Slot, Topology, balanced_split, estimate_slot_bytes  # noqa: E402
+from p2pk3.topology import GiB, Slot, Topology, balanced_split, estimate_slot_bytes, slot_plan  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,8 +39,8 @@ def main() -> None:
     ap.add_argument("--gpu-memory-gb", type=float, default=31.5, help="usable memory per card (GiB)")
     a = ap.parse_args()
 
-    two = Slot("probe", (1, 2), a.gpu_memory_gb)  # a free-standing slot with two whole MoE layers
-    need2 = estimate_slot_bytes(KIMI_K3, two)
+    two = Slot("probe", (1, 2), a.gpu_memory_gb)  # a slot on its own with two whole MoE layers
+    need2 = estimate_slot_bytes(KIMI_K3, slot_plan(KIMI_K3, [two], two))
     assert need2 > a.gpu_memory_gb * GiB, "two K3 layers fit on one card: no need to split by experts"
 
     topo = build(a.slots, a.standby, a.gpu_memory_gb)
