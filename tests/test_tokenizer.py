@@ -170,3 +170,101 @@ def test_prefer_and_missing(tok_dirs, tmp_path):
     assert load_tokenizer(both, prefer="tiktoken").backend == "tiktoken"
     with pytest.raises(FileNotFoundError):
         load_tokenizer(tmp_path / "empty")
+
+
+# -- incremental detokenization (p2pk3.tokenizer.detok) -----------------------------------------------------
+STREAM_TEXT = "naïve café — 東京 你好世界 🙂👍🏽 done"
+
+
+def _stream(dec, ids):
+    chunks = [dec.push(i) for i in ids]
+    return chunks, dec.flush()
+
+
+def test_stream_decoder_byte_split_chars(tok):
+    """Every emoji / CJK character of STREAM_TEXT is split over byte tokens (the BPE is trained on ASCII):
+    no chunk carries a broken character, and the chunks add up to the text."""
+    from p2pk3.tokenizer import StreamDecoder
+
+    ids = tok.encode(STREAM_TEXT)
+    assert any("\ufffd" in tok.decode([i]) for i in ids)  # the test means something: bytes are split
+    chunks, rest = _stream(StreamDecoder(tok.decode), ids)
+    assert "".join(chunks) + rest == STREAM_TEXT and rest == ""
+    assert all("\ufffd" not in c for c in chunks)
+    assert chunks.count("") >= 2 * len("東京你好世界") + 3 * 3  # held while a character is incomplete
+    assert "".join(tok.decode([i]) for i in ids) != STREAM_TEXT  # what naive per-token decoding prints
+    # stop early: the incomplete character comes out of flush() as U+FFFD, then the decoder is reusable
+    dec = StreamDecoder(tok.decode)
+    cut = len(tok.encode("naïve café — 東")) - 1  # the last byte of 東 is missing
+    chunks, rest = _stream(dec, ids[:cut])
+    assert "".join(chunks) == "naïve café — " and rest == "\ufffd"
+    assert "".join(_stream(dec, ids)[0]) == STREAM_TEXT
+
+
+def test_stream_decoder_token_straddles_chars(tmp_path):
+    """tiktoken tokens that end inside a character and start inside the next: the complete part is
+    emitted at once, the rest when the character completes."""
+    from p2pk3.tokenizer import StreamDecoder
+
+    emoji = "🙂".encode()
+    ranks = {bytes([b]): b for b in range(256)}
+    for m in (b"a" + emoji[:2], emoji[2:] + b"b", "東".encode()[:2], "東".encode()[2:] + b"c"):
+        ranks[m] = len(ranks)
+    (tmp_path / "tiktoken.model").write_text("".join(f"{base64.b64encode(b).decode()} {r}\n" for b, r in ranks.items()))
+    t = load_tokenizer(tmp_path)
+    ids = [ranks[b"a" + emoji[:2]], ranks[emoji[2:] + b"b"], ranks["東".encode()[:2]], ranks["東".encode()[2:] + b"c"]]
+    assert t.decode(ids) == "a🙂b東c"
+    chunks, rest = _stream(StreamDecoder(t.decode), ids)
+    assert chunks == ["a", "🙂b", "", "東c"] and rest == ""
+
+
+def test_stream_decoder_context_dependent_decoder(tmp_path):
+    """SentencePiece-style decoding (Metaspace + byte fallback + strip of the first space): a token decoded
+    alone loses its leading space, and an emoji comes as four <0x..> byte tokens."""
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import decoders, models
+
+    from p2pk3.tokenizer import StreamDecoder
+
+    vocab = {"<unk>": 0, "▁Hello": 1, "▁world": 2, "!": 3, "▁": 4}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    tk = HFTok(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    tk.save(str(tmp_path / "tokenizer.json"))
+    t = load_tokenizer(tmp_path)
+    ids = [1, 2, 4] + [vocab[f"<0x{b:02X}>"] for b in "🙂".encode()] + [3, 2]
+    want = t.decode(ids)
+    assert want == "Hello world 🙂! world"
+    assert "".join(t.decode([i]) for i in ids) != want  # per-token decoding drops the spaces
+    chunks, rest = _stream(StreamDecoder(t.decode), ids)
+    assert "".join(chunks) + rest == want and all("\ufffd" not in c for c in chunks)
+    assert chunks[:2] == ["Hello", " world"] and chunks[3:6] == ["", "", ""]
+
+
+def test_stream_decoder_invalid_bytes_do_not_stall(tok):
+    """Bytes that never form a character are emitted as U+FFFD after max_hold tokens, not held forever."""
+    from p2pk3.tokenizer import StreamDecoder
+
+    lead = tok.encode("東")[0]  # a lone UTF-8 lead byte, repeated: never completes
+    dec = StreamDecoder(tok.decode, max_hold=3)
+    chunks = [dec.push(lead) for _ in range(4)]
+    assert chunks[:3] == ["", "", ""] and chunks[3] == "\ufffd" * 4
+    # after that, a real character is held again while incomplete (the hold count starts over)
+    assert [dec.push(i) for i in tok.encode("東x")] == ["", "", "東", "x"] and dec.flush() == ""
+    with pytest.raises(ValueError, match="max_hold"):
+        StreamDecoder(tok.decode, max_hold=0)
+
+
+def test_dict_special_tokens_in_config(tok_dirs, tmp_path):
+    """tokenizer_config may write special tokens as AddedToken dicts."""
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(tok_dirs / "hf", d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["eos_token"] = {"__type": "AddedToken", "content": "<|im_end|>", "special": True}
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    t = load_tokenizer(d)
+    assert t.eos_id == t.special["<|im_end|>"]

@@ -11,6 +11,14 @@ BPE token) + `tokenizer_config.json` (`added_tokens_decoder`: id -> special toke
 `tiktoken.Encoding` and Kimi's pre-tokenizer regex (`bpe.KIMI_PAT_STR`, uncertain, see there). Special ids
 not named in `added_tokens_decoder` are `<|reserved_token_{i}|>`, as in Kimi's `tokenization_kimi.py`.
 When a directory has both, `tokenizer.json` wins unless `prefer="tiktoken"`.
+
+`Tokenizer.apply_chat_template` always renders the built-in K3 format (`render_chat`). Front ends (chat
+REPL, OpenAI API) use `ChatTokenizer` (`chat.py`): the checkpoint's own chat template rendered as
+transformers renders it, stop ids, generation_config defaults, and streaming detokenization:
+
+    tok = ChatTokenizer.from_pretrained(model_dir)
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tools=None)
+    tok.stop_ids, tok.generation_defaults, tok.stream_decoder()
 """
 from __future__ import annotations
 
@@ -21,7 +29,15 @@ from typing import Sequence
 
 from .bpe import BOS, CHAT_TEMPLATE, EOS, IM_END, IM_MIDDLE, KIMI_PAT_STR, PAD, ROLE_TOKENS
 
-__all__ = ["Tokenizer", "load_tokenizer", "render_chat", "CHAT_TEMPLATE"]
+__all__ = ["Tokenizer", "load_tokenizer", "render_chat", "CHAT_TEMPLATE", "ChatTokenizer", "ChatTemplateError",
+           "StreamDecoder", "GenerationDefaults", "load_generation_defaults"]
+
+
+def _token_str(v) -> str | None:
+    """A special token as tokenizer_config writes it: a string or an AddedToken dict {"content": ...}."""
+    if isinstance(v, dict):
+        v = v.get("content")
+    return v if isinstance(v, str) else None
 
 
 def render_chat(messages: Sequence[dict], add_generation_prompt: bool = True) -> list[tuple[str, bool]]:
@@ -47,9 +63,9 @@ class Tokenizer:
         self.special = special  # content -> id, every special slot
         self.id_to_special = {i: c for c, i in special.items()}
         self.vocab_size = vocab_size
-        self.bos_id = special.get(config.get("bos_token") or BOS)
-        self.eos_id = special.get(config.get("eos_token") or EOS)
-        self.pad_id = special.get(config.get("pad_token") or PAD)
+        self.bos_id = special.get(_token_str(config.get("bos_token")) or BOS)
+        self.eos_id = special.get(_token_str(config.get("eos_token")) or EOS)
+        self.pad_id = special.get(_token_str(config.get("pad_token")) or PAD)
         self.im_end_id = special.get(IM_END)
         self.eos_ids = {i for i in (self.eos_id, self.im_end_id) if i is not None}
         self.chat_template = config.get("chat_template", CHAT_TEMPLATE)
@@ -133,7 +149,7 @@ class TiktokenTokenizer(Tokenizer):
         import tiktoken
 
         ranks: dict[bytes, int] = {}
-        for n, line in enumerate(path.read_text().splitlines()):
+        for line in path.read_text().splitlines():
             if not line.strip():
                 continue
             tok, rank = line.split()
@@ -167,3 +183,9 @@ def load_tokenizer(model_dir: str | Path, prefer: str | None = None) -> Tokenize
         if p.exists():
             return HFTokenizer(p, config) if p is hf else TiktokenTokenizer(p, config)
     raise FileNotFoundError(f"{d}: neither tokenizer.json nor tiktoken.model")
+
+
+# The front-end API (imported last: chat.py imports load_tokenizer from this module).
+from .chat import ChatTemplateError, ChatTokenizer  # noqa: E402
+from .detok import StreamDecoder  # noqa: E402
+from .generation import GenerationDefaults, load_generation_defaults  # noqa: E402
