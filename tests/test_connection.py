@@ -8,11 +8,12 @@ import time
 import numpy as np
 import pytest
 
-from p2pk3.transport import frames as F
+from p2pk3.transport import codec as F
 from p2pk3.transport.connection import (
     AuthenticationError, ConnectionClosed, Faults, HandshakeTimeout, ProtocolError, open_connection, serve,
 )
-from p2pk3.transport.frames import Frame
+from p2pk3.transport.codec import Frame
+from p2pk3.transport.decoder import FrameDecoder
 
 SECRET = b"k" * 32
 LOG = "p2pk3.transport"
@@ -104,7 +105,7 @@ def test_client_rejects_server_that_cannot_prove_the_secret(caplog):
     """A fake server that accepts anything: the client must notice it does not know the secret."""
     async def main():
         async def fake(reader, writer):
-            dec = F.FrameDecoder(max_payload=0)
+            dec = FrameDecoder(max_payload=0)
             writer.write(F.encode_bytes(Frame.make("hello", node_id="impostor", version=1, nonce=b"n" * 32,
                                                    role="server")))
             got = []
@@ -158,15 +159,15 @@ def test_unauthenticated_garbage_and_oversized_hello(caplog):
         async with await serve("127.0.0.1", 0, SECRET, "srv", echo) as srv:
             # an HTTP client: bad magic, dropped; it receives only our hello
             got = await _raw_exchange(srv.port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-            kinds = [f.kind for f in F.FrameDecoder().feed(got)]
+            kinds = [f.kind for f in FrameDecoder().feed(got)]
             assert kinds == ["hello"]
             # before authentication, no payload at all is accepted (no allocation for strangers)
             hb = F.pack_header({"kind": "hello"})
             got = await _raw_exchange(srv.port, F.PREFIX.pack(F.MAGIC, F.VERSION, 0, len(hb), 1 << 30) + hb)
-            assert [f.kind for f in F.FrameDecoder().feed(got)] == ["hello"]
+            assert [f.kind for f in FrameDecoder().feed(got)] == ["hello"]
             # a non-handshake frame before auth
             got = await _raw_exchange(srv.port, F.encode_bytes(Frame.make("forward", x=1)))
-            assert [f.kind for f in F.FrameDecoder().feed(got)] == ["hello"]
+            assert [f.kind for f in FrameDecoder().feed(got)] == ["hello"]
             c = await open_connection("127.0.0.1", srv.port, SECRET, "good")
             await c.send(Frame.make("ping"))
             assert (await c.recv()).kind == "ping"
@@ -186,7 +187,7 @@ def test_handshake_timeout(caplog):
             t = time.monotonic()
             got = await _raw_exchange(srv.port, b"", timeout=5)  # connect and say nothing
             assert 0.25 < time.monotonic() - t < 4
-            assert [f.kind for f in F.FrameDecoder().feed(got)] == ["hello"]
+            assert [f.kind for f in FrameDecoder().feed(got)] == ["hello"]
 
         # client side: a server that never answers
         async def mute(reader, writer):

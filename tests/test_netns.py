@@ -30,7 +30,7 @@ CLIENT = textwrap.dedent("""
     import asyncio, sys
     import numpy as np
     from p2pk3.transport.connection import open_connection
-    from p2pk3.transport.frames import Frame
+    from p2pk3.transport.codec import Frame
     async def main():
         for _ in range(50):
             try:

@@ -33,7 +33,7 @@ def _uvloop_run(coro):
 # ------------------------------------------------------------------------------------------- latency
 async def _latency(nbytes: int, rounds: int) -> tuple[float, float]:
     from p2pk3.transport.connection import open_connection, serve
-    from p2pk3.transport.frames import forward_frame
+    from p2pk3.transport.messages import Segment, forward_frame
 
     secret = os.urandom(32)
     D = 64 if nbytes < 8192 else 7168
@@ -47,7 +47,7 @@ async def _latency(nbytes: int, rounds: int) -> tuple[float, float]:
     conn = await open_connection("127.0.0.1", srv.port, secret, "bench")
     prefix = np.random.rand(1, D).astype(np.float32)
     bank = np.random.rand(rows - 1, 1, D).astype(np.float32) if rows > 1 else None
-    frame = forward_frame([{"session": "s", "epoch": 0, "start_pos": 0, "n_tokens": 1}], prefix, bank, layer=1)
+    frame = forward_frame([Segment("s", 0, 0, 1)], prefix, bank, layer=1)
     ours = []
     for i in range(rounds + 20):
         t = time.perf_counter()
@@ -93,7 +93,7 @@ async def _maybe(x):
 # ---------------------------------------------------------------------------------------- throughput
 async def _throughput(nbytes: int, reps: int) -> tuple[float, float]:
     from p2pk3.transport.connection import open_connection, serve
-    from p2pk3.transport.frames import Frame
+    from p2pk3.transport.codec import Frame
 
     secret = os.urandom(32)
     got = asyncio.Queue()

@@ -1,39 +1,10 @@
-"""Token sampling: greedy, or temperature / top-k / top-p with a per-session seeded generator."""
+"""Token sampling: greedy, or temperature / top-k / top-p with a per-session seeded generator.
+(`SamplingParams`, the request schema, is defined in p2pk3/params.py and re-exported here.)"""
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass
-class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0
-    seed: int | None = None
-    max_tokens: int = 64
-    stop_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError("top_k must be >= 0")
-        if self.max_tokens < 0:
-            raise ValueError("max_tokens must be >= 0")
-
-    def to_wire(self) -> dict:
-        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "seed": self.seed,
-                "max_tokens": self.max_tokens, "stop_ids": list(self.stop_ids)}
-
-    @classmethod
-    def from_wire(cls, d: dict) -> "SamplingParams":
-        return cls(temperature=float(d.get("temperature", 0.0)), top_k=int(d.get("top_k", 0)),
-                   top_p=float(d.get("top_p", 1.0)), seed=d.get("seed"), max_tokens=int(d.get("max_tokens", 64)),
-                   stop_ids=tuple(d.get("stop_ids", ())))
+from p2pk3.params import SamplingParams
 
 
 def sample_at(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
@@ -64,3 +35,6 @@ def sample_at(logits: torch.Tensor, params: SamplingParams, position: int) -> in
 
 def fresh_seed() -> int:
     return int(torch.randint(0, 1 << 62, (1,)))
+
+
+__all__ = ["SamplingParams", "sample_at", "fresh_seed"]

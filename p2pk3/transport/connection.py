@@ -14,7 +14,7 @@ and `error` frames are accepted, so an unauthenticated peer can make us allocate
 nothing but our node id and nonce. The data plane is not encrypted: run the ring on a trusted LAN or
 inside a VPN (WireGuard).
 
-Receiving uses an `asyncio.BufferedProtocol` around `frames.FrameDecoder` (payload read straight into
+Receiving uses an `asyncio.BufferedProtocol` around `decoder.FrameDecoder` (payload read straight into
 one buffer per frame). Sending writes the prefix+header chunk and the caller's tensor buffers to the
 socket with one `os.writev` while the transport has nothing buffered (no copy, no per-chunk work in
 the transport); what the kernel does not take at once goes to the transport (`writelines`, zero copy
@@ -38,9 +38,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from .frames import (
-    DEFAULT_MAX_PAYLOAD, MAX_HEADER_LEN, Frame, FrameDecoder, ProtocolError, encode, error_frame,
-)
+from .codec import DEFAULT_MAX_PAYLOAD, MAX_HEADER_LEN, Frame, ProtocolError, encode
+from .decoder import FrameDecoder
+from .messages import error_frame
 
 log = logging.getLogger("p2pk3.transport")
 
@@ -171,12 +171,6 @@ class _Protocol(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.conn._made(transport)
 
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self.conn._decoder.get_buffer(sizehint)
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self.conn._received(nbytes)
-
     def eof_received(self) -> bool:
         self.conn._eof()
         return False
@@ -240,10 +234,6 @@ class Connection:
         return self._close_reason is not None
 
     @property
-    def close_reason(self) -> str | None:
-        return self._close_reason
-
-    @property
     def bytes_received(self) -> int:
         return self._decoder.bytes_received
 
@@ -271,22 +261,7 @@ class Connection:
         else:
             self._send_busy = True
         try:
-            if self.faults.active:
-                await self._send_frame(frame, count=True)
-                return
-            # fast path: encode, hand the chunks to the kernel now, wait only if some of it did not fit
-            if self._error is not None:
-                raise ConnectionClosed(f"connection failed: {self._error}")
-            tr = self._transport
-            if self._close_reason is not None or tr is None or tr.is_closing():
-                raise ConnectionClosed(self._close_reason or "connection is closing")
-            chunks = encode(frame, checksum=self.checksum, forward=forward)
-            total = sum(map(len, chunks))
-            n = self._write_now(chunks)
-            if n != total:
-                await self._write_rest(chunks, n)
-            self.frames_sent += 1
-            self.bytes_sent += total
+            await self._send_frame(frame, forward=forward, count=True)
         finally:
             if self._send_waiters:
                 self._send_release()
@@ -360,40 +335,52 @@ class Connection:
     async def wait_closed(self) -> None:
         await asyncio.shield(self._closed)
 
-    async def send_error(self, code: str, message: str, **ctx: Any) -> None:
-        await self.send(error_frame(code, message, **ctx))
-
     # ------------------------------------------------------------------ sending
-    async def _send_frame(self, frame: Frame, *, count: bool) -> None:
+    async def _send_frame(self, frame: Frame, *, forward: bool = False, count: bool) -> None:
+        """The one send path, for handshake frames (count=False) and every frame after it: encode, hand
+        the chunks to the kernel now, wait only if some of it did not fit. Fault injection (tests) acts on
+        the encoded chunks inside this same path."""
         if self._error is not None:
             raise ConnectionClosed(f"connection failed: {self._error}")
-        if self._close_reason is not None or self._transport is None or self._transport.is_closing():
+        tr = self._transport
+        if self._close_reason is not None or tr is None or tr.is_closing():
             raise ConnectionClosed(self._close_reason or "connection is closing")
-        chunks = encode(frame, checksum=self.checksum)
-        f = self.faults
-        if count and f.active:
-            idx = self.frames_sent
-            if f.close_after is not None and idx >= f.close_after:
-                self._fail_closed(f"fault injection: closed after {f.close_after} frames")
-                raise ConnectionClosed(self._close_reason)
-            if f.delay_s or f.jitter_s:
-                await asyncio.sleep(f.delay_s + random.uniform(0, f.jitter_s))
-                if self._close_reason is not None or self._transport.is_closing():
-                    raise ConnectionClosed(self._close_reason or "connection is closing")
-            if f.drop_after is not None and idx >= f.drop_after:
+        chunks = encode(frame, checksum=self.checksum, forward=forward)
+        if count and self.faults.active:
+            chunks = await self._inject_faults(chunks)
+            if chunks is None:  # dropped
                 self.frames_sent += 1
                 return
-            if f.corrupt_frame == idx:
-                data = bytearray(b"".join(bytes(c) for c in chunks))
-                if f.corrupt_offset < len(data):
-                    data[f.corrupt_offset] ^= f.corrupt_xor
-                chunks = [bytes(data)]
-        await self._write(chunks)
+        total = sum(map(len, chunks))
+        n = self._write_now(chunks)
+        if n != total:
+            await self._write_rest(chunks, n)
         if count:
             self.frames_sent += 1
-        self.bytes_sent += sum(map(len, chunks))
+        self.bytes_sent += total
+        f = self.faults
         if count and f.close_after is not None and self.frames_sent >= f.close_after:
             self._fail_closed(f"fault injection: closed after {f.close_after} frames")
+
+    async def _inject_faults(self, chunks: list[Any]) -> list[Any] | None:
+        """Apply `self.faults` to the encoded chunks of the next frame: None drops it."""
+        f = self.faults
+        idx = self.frames_sent
+        if f.close_after is not None and idx >= f.close_after:
+            self._fail_closed(f"fault injection: closed after {f.close_after} frames")
+            raise ConnectionClosed(self._close_reason)
+        if f.delay_s or f.jitter_s:
+            await asyncio.sleep(f.delay_s + random.uniform(0, f.jitter_s))
+            if self._close_reason is not None or self._transport.is_closing():
+                raise ConnectionClosed(self._close_reason or "connection is closing")
+        if f.drop_after is not None and idx >= f.drop_after:
+            return None
+        if f.corrupt_frame == idx:
+            data = bytearray(b"".join(bytes(c) for c in chunks))
+            if f.corrupt_offset < len(data):
+                data[f.corrupt_offset] ^= f.corrupt_xor
+            chunks = [bytes(data)]
+        return chunks
 
     def _write_now(self, chunks: list[Any]) -> int:
         """Write as much of `chunks` as the kernel takes now, straight to the socket with one writev (no
@@ -409,11 +396,6 @@ class Connection:
         except OSError as e:
             self._fail_closed(f"send failed: {e}")
             raise ConnectionClosed(self._close_reason) from None
-
-    async def _write(self, chunks: list[Any]) -> None:
-        n = self._write_now(chunks)
-        if n != sum(map(len, chunks)):
-            await self._write_rest(chunks, n)
 
     async def _write_rest(self, chunks: list[Any], n: int) -> None:
         """Write what is left of `chunks` after the first `n` bytes, returning once the kernel has it all."""

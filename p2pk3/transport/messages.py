@@ -1,0 +1,374 @@
+"""What each frame kind carries: one builder and one parser per kind (docs/protocol.md lists them all).
+
+Builders raise ValueError on bad arguments (our own bug); parsers raise ProtocolError on anything a
+peer could have sent wrong, naming the field, so receivers reject it before acting on it.
+
+Ring frames (between daemons): `forward` (a stage-boundary hop), `result` (sampled tokens / logits /
+per-session errors on their way to the entry), `free` (end sessions on every stage), `ping` / `pong`.
+Client frames (any authenticated peer <-> the entry): `generate` -> `token`* -> `done` | `error`;
+`cancel` (stop a running request); `status` (request and reply). Claims (node/claims.py) use `claim`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from p2pk3.params import SamplingParams
+
+from .codec import Frame, ProtocolError
+
+
+class ErrorCode:
+    """`code` of an `error` frame."""
+
+    BAD_FRAME = "bad_frame"  # malformed frame or protocol violation; the connection is closed
+    NOT_ENTRY = "not_entry"  # a client request sent to a slot without the entry role
+    BAD_REQUEST = "bad_request"  # a well-formed request with invalid contents (names the field)
+    BUSY = "busy"  # no room for the session right now (sessions or cache full): retry later
+    FAILED = "failed"  # the request failed in the ring (message says where and why)
+    UNAVAILABLE = "unavailable"  # a slot of the ring is down; message names it
+    CANCELLED = "cancelled"  # the request was cancelled
+
+
+MAX_SESSION_ID = 256
+MAX_PROMPT = 1 << 20
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_session(v: Any, where: str) -> None:
+    if not ((isinstance(v, str) and 0 < len(v) <= MAX_SESSION_ID) or _is_int(v)):
+        raise ProtocolError(f"{where}: session id must be a non-empty string (<= {MAX_SESSION_ID} chars) or an integer")
+
+
+def _params(d: Any, where: str) -> SamplingParams:
+    try:
+        return SamplingParams.from_wire(d)
+    except (ValueError, TypeError) as e:
+        raise ProtocolError(f"{where}: {e}") from None
+
+
+# ------------------------------------------------------------------------------------------ segments
+@dataclass(frozen=True)
+class Segment:
+    """One session's run of consecutive tokens in a batched frame: positions start_pos .. start_pos+n_tokens-1.
+    `sample`: the parameters with which the last stage samples the token after the last position (None:
+    a prefill chunk that is not the prompt's last, nothing to sample). `want_logits`: return the logits
+    of every position instead of sampling (scoring)."""
+
+    session: str | int
+    epoch: int
+    start_pos: int
+    n_tokens: int
+    sample: SamplingParams | None = None
+    want_logits: bool = False
+
+    def to_wire(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"session": self.session, "epoch": self.epoch, "start_pos": self.start_pos,
+                             "n_tokens": self.n_tokens}
+        if self.sample is not None:
+            d["sample"] = self.sample.to_wire()
+        if self.want_logits:
+            d["logits"] = True
+        return d
+
+    @classmethod
+    def from_wire(cls, d: Any, where: str = "segment") -> "Segment":
+        if not isinstance(d, dict):
+            raise ProtocolError(f"{where}: not a map")
+        _check_session(d.get("session"), where)
+        for k in ("epoch", "start_pos"):
+            if not _is_int(d.get(k)) or d[k] < 0:
+                raise ProtocolError(f"{where}: {k} must be a non-negative integer, got {d.get(k)!r}")
+        if not _is_int(d.get("n_tokens")) or d["n_tokens"] <= 0:
+            raise ProtocolError(f"{where}: n_tokens must be a positive integer, got {d.get('n_tokens')!r}")
+        s = d.get("sample")
+        sample = _params(s, f"{where}: sample") if s is not None else None
+        want = d.get("logits", False)
+        if not isinstance(want, bool):
+            raise ProtocolError(f"{where}: logits must be a bool")
+        return cls(d["session"], d["epoch"], d["start_pos"], d["n_tokens"], sample, want)
+
+
+def _segments(segs: Iterable[Segment]) -> list[dict[str, Any]]:
+    out = [s.to_wire() for s in segs]
+    if not out:
+        raise ValueError("a batch needs at least one segment")
+    return out
+
+
+def _parse_segments(header: Mapping[str, Any]) -> list[Segment]:
+    segs = header.get("segments")
+    if not isinstance(segs, list) or not segs:
+        raise ProtocolError(f"{header.get('kind')} frame: 'segments' must be a non-empty list")
+    return [Segment.from_wire(s, f"segment {i}") for i, s in enumerate(segs)]
+
+
+def _shape_of(t: Any) -> tuple[int, ...]:
+    return tuple(t[1]) if isinstance(t, tuple) else tuple(t.shape)
+
+
+def _expect(frame: Frame, kind: str) -> dict[str, Any]:
+    if frame.kind != kind:
+        raise ProtocolError(f"expected a {kind} frame, got {frame.kind!r}")
+    return frame.header
+
+
+# ------------------------------------------------------------------------------------------- forward
+def forward_frame(segments: Iterable[Segment], prefix: Any, bank: Any = None, partial_latent: Any = None, *,
+                  layer: int, mid_moe: bool = False) -> Frame:
+    """A stage-boundary hop: `prefix` [N, D], `bank` [R, N, D] (AttnRes snapshots; None when R = 0),
+    `partial_latent` [N, W] (only when `mid_moe`: the hop is inside layer `layer`'s MoE, split over slots).
+    `layer`: the first layer the receiver runs (or continues, when mid_moe). Tensors are numpy arrays
+    or (dtype, shape, buffer) tuples (bf16 from torch: ("bfloat16", t.shape, t.view(torch.uint8).numpy()))."""
+    segs = _segments(segments)
+    n = sum(s["n_tokens"] for s in segs)
+    ps = _shape_of(prefix)
+    if len(ps) != 2 or ps[0] != n:
+        raise ValueError(f"prefix shape {list(ps)} must be [N={n}, D]")
+    tensors: list[tuple[str, Any]] = [("prefix", prefix)]
+    if bank is not None:
+        bs = _shape_of(bank)
+        if len(bs) != 3 or bs[1:] != ps:
+            raise ValueError(f"bank shape {list(bs)} must be [R, {n}, {ps[1]}]")
+        tensors.append(("bank", bank))
+    if mid_moe != (partial_latent is not None):
+        raise ValueError("partial_latent is sent exactly when mid_moe is set")
+    if partial_latent is not None:
+        ls = _shape_of(partial_latent)
+        if len(ls) != 2 or ls[0] != n:
+            raise ValueError(f"partial_latent shape {list(ls)} must be [N={n}, W]")
+        tensors.append(("partial_latent", partial_latent))
+    return Frame.make("forward", tensors, segments=segs, layer=int(layer), mid_moe=bool(mid_moe))
+
+
+@dataclass
+class Forward:
+    """A parsed `forward` frame (tensors stay in the frame: `frame.buffer(name)`)."""
+
+    segments: list[Segment]
+    layer: int
+    mid_moe: bool
+    n_tokens: int
+    hidden: int
+    bank_rows: int
+    frame: Frame
+
+
+def parse_forward(frame: Frame) -> Forward:
+    h = _expect(frame, "forward")
+    segs = _parse_segments(h)
+    layer, mid = h.get("layer"), h.get("mid_moe", False)
+    if not _is_int(layer) or layer < 0:
+        raise ProtocolError(f"forward frame: bad layer {layer!r}")
+    if not isinstance(mid, bool):
+        raise ProtocolError("forward frame: mid_moe must be a bool")
+    n = sum(s.n_tokens for s in segs)
+    if not frame.has("prefix"):
+        raise ProtocolError("forward frame has no 'prefix' tensor")
+    p = frame.desc("prefix")
+    if len(p["shape"]) != 2 or p["shape"][0] != n:
+        raise ProtocolError(f"forward frame: prefix shape {p['shape']} does not match the {n} tokens of its segments")
+    rows = 0
+    if frame.has("bank"):
+        b = frame.desc("bank")
+        if len(b["shape"]) != 3 or b["shape"][1:] != p["shape"] or b["dtype"] != p["dtype"]:
+            raise ProtocolError(f"forward frame: bank {b['dtype']}{b['shape']} does not match prefix {p['dtype']}{p['shape']}")
+        rows = b["shape"][0]
+    if mid != frame.has("partial_latent"):
+        raise ProtocolError("forward frame: partial_latent must be present exactly when mid_moe is set")
+    if mid:
+        q = frame.desc("partial_latent")
+        if len(q["shape"]) != 2 or q["shape"][0] != n:
+            raise ProtocolError(f"forward frame: partial_latent shape {q['shape']} must be [{n}, W]")
+    extra = set(frame.names()) - {"prefix", "bank", "partial_latent"}
+    if extra:
+        raise ProtocolError(f"forward frame: unexpected tensors {sorted(extra)}")
+    return Forward(segs, layer, mid, n, p["shape"][1], rows, frame)
+
+
+# -------------------------------------------------------------------------------------------- result
+@dataclass
+class Result:
+    """What the last stage says about one segment: the sampled `token` at position `pos` (the segment's
+    end), or `skip` (a non-final prefill chunk: nothing sampled), or `rows` logits rows in the frame's
+    `logits` tensor (scoring), or `error` with its `code` (the session failed on some stage; the entry
+    ends it)."""
+
+    session: str | int
+    epoch: int
+    pos: int
+    token: int = 0
+    skip: bool = False
+    rows: int = 0
+    error: str | None = None
+    code: str | None = None  # with error: an ErrorCode (busy: the stage's cache is full)
+
+    def to_wire(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"session": self.session, "epoch": self.epoch, "pos": self.pos, "token": self.token}
+        if self.skip:
+            d["skip"] = True
+        if self.rows:
+            d["rows"] = self.rows
+        if self.error is not None:
+            d["error"] = self.error
+            d["code"] = self.code or ErrorCode.FAILED
+        return d
+
+    @classmethod
+    def from_wire(cls, r: Any, where: str) -> "Result":
+        if not isinstance(r, dict):
+            raise ProtocolError(f"{where}: not a map")
+        _check_session(r.get("session"), where)
+        for k in ("epoch", "pos", "token"):
+            if not _is_int(r.get(k)) or r[k] < 0:
+                raise ProtocolError(f"{where}: {k} must be a non-negative integer, got {r.get(k)!r}")
+        skip, rows, err = r.get("skip", False), r.get("rows", 0), r.get("error")
+        if not isinstance(skip, bool):
+            raise ProtocolError(f"{where}: skip must be a bool")
+        if not _is_int(rows) or rows < 0:
+            raise ProtocolError(f"{where}: rows must be a non-negative integer")
+        code = r.get("code")
+        if err is not None and not isinstance(err, str):
+            raise ProtocolError(f"{where}: error must be a string")
+        if code is not None and not isinstance(code, str):
+            raise ProtocolError(f"{where}: code must be a string")
+        return cls(r["session"], r["epoch"], r["pos"], r["token"], skip, rows, err, code)
+
+
+def result_frame(results: Iterable[Result], logits: Any = None) -> Frame:
+    """Results leaving the last slot (or an error report from any slot); optional `logits` float32
+    [sum of rows, V] when segments asked for them."""
+    rs = [r.to_wire() for r in results]
+    tensors = [("logits", logits)] if logits is not None else None
+    return Frame.make("result", tensors, results=rs)
+
+
+def parse_result(frame: Frame) -> list[Result]:
+    h = _expect(frame, "result")
+    rs = h.get("results")
+    if not isinstance(rs, list):
+        raise ProtocolError("result frame: 'results' must be a list")
+    out = [Result.from_wire(r, f"result {i}") for i, r in enumerate(rs)]
+    rows = sum(r.rows for r in out)
+    if rows:
+        if not frame.has("logits"):
+            raise ProtocolError(f"result frame: {rows} logits rows announced but no 'logits' tensor")
+        shape = frame.desc("logits")["shape"]
+        if len(shape) != 2 or shape[0] != rows:
+            raise ProtocolError(f"result frame: logits shape {shape} must be [{rows}, V]")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- free
+def free_frame(sessions: Iterable[tuple[str | int, int]], origin: str = "") -> Frame:
+    ss = []
+    for sid, epoch in sessions:
+        _check_session(sid, "free")
+        ss.append({"session": sid, "epoch": int(epoch)})
+    return Frame.make("free", sessions=ss, origin=origin)
+
+
+def parse_free(frame: Frame) -> tuple[list[tuple[str | int, int]], str]:
+    """(sessions as (id, epoch), origin node id)."""
+    h = _expect(frame, "free")
+    ss = h.get("sessions")
+    if not isinstance(ss, list):
+        raise ProtocolError("free frame: 'sessions' must be a list")
+    out = []
+    for s in ss:
+        if not isinstance(s, dict) or not _is_int(s.get("epoch")):
+            raise ProtocolError("free frame: each session needs 'session' and an integer 'epoch'")
+        _check_session(s.get("session"), "free")
+        out.append((s["session"], s["epoch"]))
+    origin = h.get("origin", "")
+    if not isinstance(origin, str):
+        raise ProtocolError("free frame: origin must be a string")
+    return out, origin
+
+
+# --------------------------------------------------------------------------------------- ping / pong
+def ping_frame(ping_id: int, t_ns: int) -> Frame:
+    return Frame.make("ping", id=int(ping_id), t_ns=int(t_ns))
+
+
+def pong_frame(ping: Frame, **stats: Any) -> Frame:
+    return Frame.make("pong", id=ping.header.get("id"), t_ns=ping.header.get("t_ns"), **stats)
+
+
+# ------------------------------------------------------------------------------------------- clients
+@dataclass
+class GenerateRequest:
+    """`generate`: run `prompt` (token ids) and stream the continuation. `logits`: return every
+    position's logits instead of sampling (with max_tokens 0: scoring). `incremental`: feed the prompt
+    one token per step (the decode path)."""
+
+    request_id: int
+    prompt: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    logits: bool = False
+    incremental: bool = False
+
+    def frame(self) -> Frame:
+        return Frame.make("generate", request_id=self.request_id, prompt=[int(t) for t in self.prompt],
+                          params=self.params.to_wire(), logits=self.logits, incremental=self.incremental)
+
+    @classmethod
+    def parse(cls, frame: Frame, vocab_size: int) -> "GenerateRequest":
+        """Raises ProtocolError for a malformed frame and ValueError (-> bad_request) for invalid contents."""
+        h = _expect(frame, "generate")
+        rid = h.get("request_id", 0)
+        if not _is_int(rid):
+            raise ProtocolError("generate frame: request_id must be an integer")
+        prompt = h.get("prompt")
+        if (not isinstance(prompt, list) or not prompt or len(prompt) > MAX_PROMPT
+                or not all(_is_int(t) and 0 <= t < vocab_size for t in prompt)):
+            raise ValueError(f"prompt must be a non-empty list of at most {MAX_PROMPT} token ids in 0..{vocab_size - 1}")
+        params = SamplingParams.from_wire(h.get("params") or {})
+        flags = {k: h.get(k, False) for k in ("logits", "incremental")}
+        for k, v in flags.items():
+            if not isinstance(v, bool):
+                raise ValueError(f"{k} must be a bool")
+        return cls(rid, prompt, params, flags["logits"], flags["incremental"])
+
+
+def token_frame(request_id: int, session: str, token: int) -> Frame:
+    return Frame.make("token", request_id=request_id, session=session, token=int(token))
+
+
+def done_frame(request_id: int, session: str, tokens: list[int], stats: dict, stage_stats: dict,
+               logits: Any = None) -> Frame:
+    tensors = [("logits", logits)] if logits is not None else None
+    return Frame.make("done", tensors, request_id=request_id, session=session, tokens=[int(t) for t in tokens],
+                      stats=stats, stage_stats=stage_stats)
+
+
+def cancel_frame(request_id: int) -> Frame:
+    return Frame.make("cancel", request_id=int(request_id))
+
+
+def parse_cancel(frame: Frame) -> int:
+    rid = _expect(frame, "cancel").get("request_id")
+    if not _is_int(rid):
+        raise ProtocolError("cancel frame: request_id must be an integer")
+    return rid
+
+
+def status_frame(**fields: Any) -> Frame:
+    """A status request (no fields) or reply (the node's public statistics)."""
+    return Frame.make("status", **fields)
+
+
+def error_frame(code: str, message: str, **ctx: Any) -> Frame:
+    """code: an ErrorCode (or auth_failed during the handshake); message: for humans; ctx: request_id,
+    session, fatal (the sender closes the connection), ..."""
+    return Frame.make("error", code=code, message=message, **ctx)
+
+
+__all__ = [
+    "ErrorCode", "Segment", "Forward", "Result", "GenerateRequest", "forward_frame", "parse_forward",
+    "result_frame", "parse_result", "free_frame", "parse_free", "ping_frame", "pong_frame", "token_frame",
+    "done_frame", "cancel_frame", "parse_cancel", "status_frame", "error_frame",
+]
