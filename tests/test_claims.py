@@ -175,7 +175,7 @@ def test_race_exactly_one_winner(seed):
 def test_simultaneous_claims_resolve_deterministically():
     """Both claimants start before any message is delivered: the smaller node id wins, in any order."""
     for order in (("B", "C"), ("C", "B")):
-        async def main():
+        async def main(order=order):
             clk = Clock()
             tables = {n: ClaimTable(n, clock=clk) for n in ("A", "B", "C")}
             net = Net(tables, max_delay=0.005)

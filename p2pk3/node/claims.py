@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Any, Awaitable, Callable, Iterable, Mapping
 
-from p2pk3.transport.frames import Frame, ProtocolError
+from p2pk3.transport.codec import Frame, ProtocolError
 
 log = logging.getLogger("p2pk3.claims")
 
@@ -117,15 +117,6 @@ class ClaimTable:
         r = self.records.get(slot)
         return replace(r) if r is not None and self.is_live(r) else None
 
-    def holders(self) -> dict[str, Claim]:
-        return {s: replace(r) for s, r in self.records.items() if self.is_live(r)}
-
-    def slot_of(self, node: str) -> str | None:
-        for s, r in self.records.items():
-            if r.node == node and self.is_live(r):
-                return s
-        return None
-
     # ---------------------------------------------------------------- observations
     def observe(self, node: str, slot: str | None, epoch: int, since: float | None = None) -> str:
         """A node announces that it holds `slot` at `epoch` (slot None: it holds nothing). Returns
@@ -165,6 +156,16 @@ class ClaimTable:
                 self.on_lost(lost, replace(new))
             return "superseded"
         return "new"
+
+    def mark_dead(self, slot: str, node: str, epoch: int) -> bool:
+        """The failure detector declared `node`'s claim of `slot` at `epoch` dead (a takeover names it):
+        the record stays (its epoch bounds the next claim) but no longer counts as a live holder. Our
+        own live claim is never marked dead by others: a holder that is alive refuses the takeover."""
+        r = self.records.get(slot)
+        if r is None or r.node != node or r.epoch != epoch or node == self.node_id:
+            return False
+        r.released = True
+        return True
 
     def forget(self, node: str) -> None:
         """The node left (bye beacon): its slot is free; the record keeps its epoch."""
@@ -284,9 +285,12 @@ class ClaimTable:
 
 
 # ------------------------------------------------------------------------------------------- messages
-def claim_frame(slot: str, node: str, epoch: int, op: str = "request", since: float | None = None) -> Frame:
-    """op: "request" (may I take it?), "commit" (I took it), "release" (I gave it up)."""
-    return Frame.make("claim", slot=slot, node=node, epoch=int(epoch), op=op, since=since)
+def claim_frame(slot: str, node: str, epoch: int, op: str = "request", since: float | None = None,
+                replaces: tuple[str, int] | None = None) -> Frame:
+    """op: "request" (may I take it?), "commit" (I took it), "release" (I gave it up). `replaces`:
+    (node, epoch) of a holder the failure detector declared dead (a takeover)."""
+    extra = {"replaces": {"node": replaces[0], "epoch": int(replaces[1])}} if replaces else {}
+    return Frame.make("claim", slot=slot, node=node, epoch=int(epoch), op=op, since=since, **extra)
 
 
 def claim_result_frame(slot: str, d: Decision) -> Frame:
@@ -303,6 +307,10 @@ def _check_claim(h: Mapping[str, Any]) -> None:
         raise ProtocolError("claim frame needs a non-negative integer 'epoch'")
     if h.get("op", "request") not in ("request", "commit", "release"):
         raise ProtocolError(f"claim frame: unknown op {h.get('op')!r}")
+    rep = h.get("replaces")
+    if rep is not None and (not isinstance(rep, dict) or not isinstance(rep.get("node"), str)
+                            or not isinstance(rep.get("epoch"), int) or isinstance(rep.get("epoch"), bool)):
+        raise ProtocolError("claim frame: 'replaces' must be {node: str, epoch: int}")
 
 
 def handle_claim(table: ClaimTable, frame: Frame, *, peer_id: str | None = None) -> Frame | None:
@@ -314,6 +322,9 @@ def handle_claim(table: ClaimTable, frame: Frame, *, peer_id: str | None = None)
     if peer_id is not None and node != peer_id:
         return claim_result_frame(slot, Decision(False, f"node {peer_id} cannot claim for node {node}",
                                                  code="forbidden"))
+    rep = h.get("replaces")
+    if rep is not None:
+        table.mark_dead(slot, rep["node"], rep["epoch"])
     if op == "commit":
         table.observe(node, slot, epoch, h.get("since"))
         return None
@@ -331,18 +342,21 @@ _REFUSAL_RANK = {"held": 0, "competing": 1, "forbidden": 2, "stale": 3}  # the m
 
 async def negotiate_claim(table: ClaimTable, slot: str, peers: Iterable[str], ask: Ask, *,
                           timeout: float = 2.0, retries: int = 1,
-                          notify: Callable[[str, Frame], Awaitable[None]] | None = None) -> Claim:
+                          notify: Callable[[str, Frame], Awaitable[None]] | None = None,
+                          replaces: tuple[str, int] | None = None) -> Claim:
     """Take `slot`: ask every peer (by id; `ask(peer, frame)` returns its claim_result frame, or None /
     raises when unreachable: an unreachable peer cannot object) and commit if nobody refused.
     Raises ClaimRefused with the reason (e.g. "slot s2 is held by node X (epoch 3) since ...")."""
     peers = [p for p in peers if p != table.node_id]
+    if replaces is not None:
+        table.mark_dead(slot, *replaces)
     for attempt in range(retries + 1):
         epoch = table.begin(slot)
         if table.mine is not None and table.mine.slot == slot:
             return replace(table.mine)
-        req = claim_frame(slot, table.node_id, epoch)
+        req = claim_frame(slot, table.node_id, epoch, replaces=replaces)
 
-        async def one(p: str) -> Frame | None:
+        async def one(p: str, req: Frame = req) -> Frame | None:
             try:
                 return await asyncio.wait_for(ask(p, req), timeout)
             except (asyncio.TimeoutError, OSError, ConnectionError, ProtocolError) as e:

@@ -1,19 +1,41 @@
-"""Client side of the entry protocol: `generate` requests over an authenticated connection."""
+"""Client side of the entry protocol: `generate` requests over an authenticated connection.
+
+    c = await Client.connect(host, port, secret)
+    reply = await c.generate(prompt_ids, SamplingParams(max_tokens=64), on_token=print)
+    reply.tokens
+
+Resuming: a client that knows other addresses of the cluster (`Client.connect(..., fallbacks=[...])`, or
+`Client.for_topology(topo)`, which knows every slot's address) resumes an interrupted request when its
+entry dies: it finds the node that holds the entry role now (a standby takes it over), and sends the
+prompt plus the tokens received so far, so the stream continues with exactly the tokens an undisturbed
+run gives (sampling is a function of seed and position; with temperature > 0 and no seed the client
+draws the seed itself so that a resumed request keeps it). Without fallbacks a lost connection is a
+clean `RequestError("connection_lost", ...)`. Failures inside the ring never reach the client: the
+entry replays the sessions, and the client sees a pause.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import asyncio
+import random
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable
 
 import numpy as np
 
-from p2pk3.engine.sampling import SamplingParams
-from p2pk3.transport.connection import open_connection
-from p2pk3.transport.frames import Frame
+from p2pk3.params import SamplingParams
+from p2pk3.transport.codec import ProtocolError
+from p2pk3.transport.connection import ConnectionClosed, TransportError, open_connection
+from p2pk3.transport.messages import GenerateRequest, cancel_frame, status_frame
+
+LOST = (ConnectionClosed, TransportError, ConnectionError, OSError, asyncio.TimeoutError, ProtocolError)
 
 
 class RequestError(RuntimeError):
     def __init__(self, code: str, message: str):
         super().__init__(f"{code}: {message}")
         self.code = code
+        self.message = message
 
 
 @dataclass
@@ -23,49 +45,139 @@ class Reply:
     stage_stats: dict
     logits: np.ndarray | None = None
     streamed: list[int] = field(default_factory=list)
+    resumed: int = 0  # how many times the request moved to a new entry
 
 
 class Client:
-    def __init__(self, conn):
+    def __init__(self, conn, *, secret: bytes | None = None, node_id: str = "client",
+                 fallbacks: Iterable[tuple[str, int]] = (), resume_timeout_s: float = 60.0):
         self.conn = conn
+        self.secret, self.node_id = secret, node_id
+        self.fallbacks = list(fallbacks)
+        self.resume_timeout_s = resume_timeout_s
         self._rid = 0
 
     @classmethod
-    async def connect(cls, host: str, port: int, secret: bytes, node_id: str = "client") -> "Client":
-        return cls(await open_connection(host, port, secret, node_id))
+    async def connect(cls, host: str, port: int, secret: bytes, node_id: str = "client", *,
+                      fallbacks: Iterable[tuple[str, int]] = (), timeout: float = 10.0,
+                      resume_timeout_s: float = 60.0) -> "Client":
+        conn = await open_connection(host, port, secret, node_id, timeout=timeout)
+        return cls(conn, secret=secret, node_id=node_id, fallbacks=[(host, port), *fallbacks],
+                   resume_timeout_s=resume_timeout_s)
+
+    @classmethod
+    async def for_topology(cls, topo, secret: bytes | None = None, node_id: str = "client", *,
+                           timeout: float = 10.0, resume_timeout_s: float = 60.0) -> "Client":
+        """Connect to whichever node holds the entry role now (asking the topology's addresses)."""
+        secret = secret if secret is not None else topo.secret()
+        addrs = [a for a in topo.static_addresses().values()]
+        self = cls(None, secret=secret, node_id=node_id, fallbacks=addrs, resume_timeout_s=resume_timeout_s)
+        self.conn = await self._find_entry(timeout)
+        return self
+
+    @property
+    def can_resume(self) -> bool:
+        return self.secret is not None and bool(self.fallbacks)
 
     def close(self) -> None:
-        self.conn.close("client done")
+        if self.conn is not None:
+            self.conn.close("client done")
 
     async def status(self) -> dict:
-        """The node's counters (slot, batches, tokens, busy seconds, open sessions)."""
-        await self.conn.send(Frame.make("status"))
-        f = await self.conn.recv()
-        if f.kind != "status":
-            raise RequestError("bad_reply", f"expected a status frame, got {f.kind!r}")
-        return dict(f.header)
-
-    async def generate(self, prompt: list[int], params: SamplingParams | None = None, *, logits: bool = False,
-                       incremental: bool = False, on_token=None) -> Reply:
-        """One request on this connection (one at a time per connection; open several for concurrency)."""
-        self._rid += 1
-        params = params or SamplingParams()
-        await self.conn.send(Frame.make("generate", request_id=self._rid, prompt=[int(t) for t in prompt],
-                                        params=params.to_wire(), logits=logits, incremental=incremental))
-        streamed = []
+        """The node's public statistics (slot, role, batches, tokens, busy seconds, sessions, ...)."""
+        await self.conn.send(status_frame())
         while True:
             f = await self.conn.recv()
-            if f.kind == "token":
-                streamed.append(int(f.header["token"]))
-                if on_token:
-                    on_token(int(f.header["token"]))
-            elif f.kind == "done":
-                lg = None
-                if f.has("logits"):
-                    lg = np.array(f.array("logits"), dtype=np.float32, copy=True)
-                return Reply(list(f.header["tokens"]), f.header.get("stats", {}), f.header.get("stage_stats", {}),
-                             lg, streamed)
-            elif f.kind == "error":
-                raise RequestError(str(f.header.get("code")), str(f.header.get("message")))
-            else:
-                raise RequestError("bad_reply", f"unexpected frame {f.kind!r}")
+            if f.kind == "status":
+                return dict(f.header)
+            if f.kind not in ("token", "done", "error"):  # frames of an abandoned request are skipped
+                raise RequestError("bad_reply", f"expected a status frame, got {f.kind!r}")
+
+    async def _find_entry(self, timeout: float):
+        """A connection to the node that holds the entry role now; retries until `timeout`."""
+        deadline = time.monotonic() + timeout
+        last = "no address to try"
+        while True:
+            for addr in self.fallbacks:
+                try:
+                    conn = await open_connection(*addr, self.secret, self.node_id, timeout=2.0, handshake_timeout=2.0)
+                except LOST as e:
+                    last = f"{addr[0]}:{addr[1]}: {e}"
+                    continue
+                try:
+                    await asyncio.wait_for(conn.send(status_frame()), 2.0)
+                    st = (await asyncio.wait_for(conn.recv(), 2.0)).header
+                except LOST as e:
+                    conn.close("probe")
+                    last = f"{addr[0]}:{addr[1]}: {e}"
+                    continue
+                if st.get("role") == "entry":
+                    return conn
+                conn.close("not the entry")
+                last = f"{addr[0]}:{addr[1]} is {st.get('role')} of slot {st.get('slot')}"
+            if time.monotonic() > deadline:
+                raise RequestError("connection_lost", f"no node holds the entry role (last: {last})")
+            await asyncio.sleep(0.25)
+
+    async def generate(self, prompt: list[int], params: SamplingParams | None = None, *, logits: bool = False,
+                       incremental: bool = False, on_token: Callable[[int], None] | None = None,
+                       resume: bool | None = None) -> Reply:
+        """One request; returns when it is done. Cancelling the awaiting task cancels the request in the
+        ring (its caches are freed). `resume` (default: when the client knows fallback addresses): carry
+        an interrupted request over to a new entry."""
+        params = params or SamplingParams()
+        resume = self.can_resume if resume is None else resume
+        if resume and params.temperature > 0 and params.seed is None:
+            params = params.with_seed(random.getrandbits(62))
+        streamed: list[int] = []
+        moves = 0
+        while True:
+            p = replace(params, max_tokens=params.max_tokens - len(streamed))
+            try:
+                r = await self._one(list(prompt) + streamed, p, logits, incremental, streamed, on_token)
+                r.tokens = streamed[:len(streamed) - len(r.streamed)] + r.tokens
+                r.streamed, r.resumed = streamed, moves
+                return r
+            except LOST as e:
+                if not resume or logits:
+                    raise RequestError("connection_lost", f"the connection to the entry was lost: {e}") from None
+                if streamed and (streamed[-1] in params.stop_ids or len(streamed) >= params.max_tokens):
+                    return Reply(streamed, {}, {}, None, streamed, moves)
+                self.close()
+                self.conn = await self._find_entry(self.resume_timeout_s)
+                moves += 1
+
+    async def _one(self, prompt, params, logits, incremental, streamed, on_token) -> Reply:
+        self._rid += 1
+        rid = self._rid
+        req = GenerateRequest(rid, prompt, params, logits, incremental)
+        await self.conn.send(req.frame())
+        mine = []
+        try:
+            while True:
+                f = await self.conn.recv()
+                h = f.header
+                if h.get("request_id", rid) != rid:
+                    continue  # a frame of an earlier, cancelled request
+                if f.kind == "token":
+                    t = int(h["token"])
+                    streamed.append(t)
+                    mine.append(t)
+                    if on_token:
+                        on_token(t)
+                elif f.kind == "done":
+                    lg = np.array(f.array("logits"), dtype=np.float32, copy=True) if f.has("logits") else None
+                    return Reply(list(h["tokens"]), h.get("stats", {}), h.get("stage_stats", {}), lg, mine)
+                elif f.kind == "error":
+                    raise RequestError(str(h.get("code")), str(h.get("message")))
+                else:
+                    raise RequestError("bad_reply", f"unexpected frame {f.kind!r}")
+        except asyncio.CancelledError:
+            try:
+                await asyncio.wait_for(asyncio.shield(self.conn.send(cancel_frame(rid))), 1.0)
+            except Exception:
+                pass
+            raise
+
+    async def cancel_current(self) -> None:
+        await self.conn.send(cancel_frame(self._rid))

@@ -1,11 +1,13 @@
 """The node daemon: one per GPU host, all identical. It loads what its topology slot owns, serves an
-authenticated TCP port, connects to its ring successor, runs its stage over batches of whatever is
-waiting, and — on the slot that holds the embedding — plays the entry role for clients.
+authenticated TCP port, sends its stage's output to its ring successor, and — on the slot that holds
+the embedding — plays the entry role for clients and coordinates failure handling. A daemon on a
+standby slot holds nothing until it is asked to take a dead slot over.
 
 Ring: slot 0 (embedding + entry) -> ... -> last slot (head: final norm, lm_head, sampling) -> slot 0.
-Frames on the ring: `forward` (a hop), `result` (sampled tokens / logits back to the entry), `free`
-(end sessions; travels once around the ring in order with the work). Client frames on any connection
-to the entry node: `generate` -> `token`* then `done` (or `error`).
+The parts: stage_runner (torch), worker (batching), links (successor / entry connections), monitor
+(heartbeats), failover (what a dead slot means), entry + serving (sessions and clients), claims and
+discovery (who holds which slot), routes (where each slot is served now). Frame kinds are dispatched by
+the table in `_handlers` (docs/protocol.md lists them all).
 """
 from __future__ import annotations
 
@@ -14,152 +16,259 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from p2pk3.engine.reference import configure_cpu_threads, load_stage
-from p2pk3.engine.sampling import SamplingParams
-from p2pk3.model.cache import CacheFull, SessionError
 from p2pk3.model.config import K3Config
-from p2pk3.model.kimi_k3 import ExpertNotHeld
 from p2pk3.topology import Topology
-from p2pk3.transport.connection import ConnectionClosed, TransportError, open_connection, serve
-from p2pk3.transport.frames import Frame, ProtocolError, error_frame, free_frame, parse_free, parse_result, pong_frame, result_frame
+from p2pk3.transport.codec import Frame, ProtocolError
+from p2pk3.transport.connection import (AuthenticationError, ConnectionClosed, TransportError, open_connection,
+                                        serve)
+from p2pk3.transport.messages import (ErrorCode, Result, error_frame, free_frame, parse_free, parse_result,
+                                      pong_frame, result_frame, status_frame)
 
 from .claims import ClaimTable, connection_asker, handle_claim, negotiate_claim
 from .discovery import Discovery
-from .entry import Busy, Entry
-from .stage_runner import StageRunner, Work, hop_frame, merge, model_plan, torch_tensor, wire_tensor, work_from_forward
+from .entry import Entry
+from .failover import Coordinator, parse_retain, parse_takeover
+from .links import LinkDown, PeerLink
+from .metrics import memory_usage
+from .monitor import Monitor
+from .options import NodeOptions
+from .routes import Route, RouteTable, parse_route
+from .serving import ClientRequests, ClientService
+from .stage_runner import HeadOut, HopOut, StageRunner, hop_frame, model_plan, torch_tensor, wire_tensor, work_from_forward
+from .worker import Free, Retain, StageWorker
 
 log = logging.getLogger("p2pk3.node")
 
-RECOVERABLE = (CacheFull, SessionError, ExpertNotHeld)
 
-
-@dataclass
-class _Free:
-    sessions: list[tuple[str, int]]
-    origin: str
+class WrongSecret(RuntimeError):
+    """Every reachable peer refused this node's handshake proof."""
 
 
 class NodeDaemon:
-    def __init__(self, topo: Topology, slot: str, *, model_dir: str | Path, secret: bytes, host: str = "127.0.0.1",
-                 port: int | None = None, node_id: str | None = None, dtype: str = "float32", device: str = "cpu",
-                 max_sessions: int = 32, max_tokens: int = 32768, max_batch_tokens: int = 2048,
-                 prefill_chunk: int = 256, discovery: bool = False, advertise_host: str | None = None,
-                 drop_beacons: bool = False, claim_wait: float = 1.5):
+    def __init__(self, topo: Topology, slot: str, *, model_dir: str | Path, secret: bytes,
+                 options: NodeOptions | None = None):
         self.topo, self.slot_id = topo, slot
-        self.slot = topo.slot(slot)
+        topo.slot(slot)  # KeyError for an unknown slot
         self.model_dir = Path(model_dir)
         self.secret = secret
-        self.host = host
-        self.port = port if port is not None else (self.slot.port or 0)
-        self.node_id = node_id or f"{slot}@{os.uname().nodename}:{os.getpid()}"
-        self.dtype, self.device = dtype, device
-        self.max_sessions, self.max_tokens = max_sessions, max_tokens
-        self.max_batch_tokens, self.prefill_chunk = max_batch_tokens, prefill_chunk
-        self.use_discovery = discovery
-        self.advertise_host = advertise_host
-        self.drop_beacons = drop_beacons  # fault hook for tests: ignore every received beacon
-        self.claim_wait = claim_wait
+        self.opts = o = options or NodeOptions()
+        self.host = o.host
+        self.port = o.port if o.port is not None else (self.slot.port or 0)
+        self.node_id = o.node_id or f"{slot}@{os.uname().nodename}:{os.getpid()}"
         self.claims = ClaimTable(self.node_id)
         self.claim = None
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.role = "starting"
         self.entry: Entry | None = None
+        self.clients: ClientService | None = None
         self.runner: StageRunner | None = None
-        self._next_conn = None
-        self._next_lock = asyncio.Lock()
+        self.worker: StageWorker | None = None
+        self.monitor: Monitor | None = None
+        self.coordinator: Coordinator | None = None
+        self.routes = RouteTable(topo.static_addresses())
+        self.successor = PeerLink("ring successor", self._successor_addr, secret, self.node_id,
+                                  dial_deadline_s=o.dial_deadline_s, send_timeout_s=o.send_timeout_s)
+        self.to_entry = PeerLink("entry", lambda: self.routes.address(self.topo.active[0].id), secret, self.node_id,
+                                 dial_deadline_s=o.dial_deadline_s, send_timeout_s=o.send_timeout_s)
+        self.routes.listeners.append(self._on_route)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="stage")
-        self._tasks: list[asyncio.Task] = []
         self.server = None
         self.discovery = None
-        self.stats = {"batches": 0, "tokens": 0, "busy_s": 0.0, "frames_in": 0, "errors": 0, "started": time.time()}
+        self.stopped = asyncio.Event()
+        self.stop_reason: str | None = None
+        self.stats = {"frames_in": 0, "errors": 0, "started": time.time()}
+        self.cfg: K3Config | None = None
+        self._taking: asyncio.Task | None = None
+        self._handlers = {
+            "forward": self._on_forward, "result": self._on_result, "free": self._on_free, "ping": self._on_ping,
+            "status": self._on_status, "claim": self._on_claim, "generate": self._on_generate,
+            "cancel": self._on_cancel, "route": self._on_route_frame, "takeover": self._on_takeover,
+            "retain": self._on_retain,
+        }
+
+    @property
+    def slot(self):
+        return self.topo.slot(self.slot_id)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        cfg = K3Config.from_pretrained(self.model_dir)
-        self.cfg = cfg
-        if torch.device(self.device).type == "cpu":
+        o = self.opts
+        self.cfg = cfg = K3Config.from_pretrained(self.model_dir)
+        if torch.device(o.device).type == "cpu":
             configure_cpu_threads(cfg)
         for w in self.topo.validate(cfg):  # raises TopologyError naming every problem
             log.warning("topology: %s", w)
         if not self.slot.standby:
-            tp = self.topo.stage_plan(self.slot, cfg)
-            self.tplan = tp
-            plan = model_plan(tp, cfg)
-            stage = await loop.run_in_executor(self._executor, load_stage, self.model_dir, plan, self.dtype,
-                                               self.device, cfg)
-            self.runner = StageRunner(stage, stage.new_cache(self.max_sessions, self.max_tokens))
-            if plan.embed:
-                self.entry = Entry(self._submit_local, self._free_from_entry, prefill_chunk=self.prefill_chunk,
-                                   max_batch_tokens=self.max_batch_tokens, max_sessions=self.max_sessions)
+            self.role = "loading"
+            await self._load(self.slot_id)
         self.server = await serve(self.host, self.port, self.secret, self.node_id, self._handle)
         self.port = self.server.port
         try:
-            if self.use_discovery:
+            if o.discovery:
                 await self._start_discovery()
-            await self._claim_slot()
+            await self._claim_slot(self.slot_id)
         except BaseException:
-            await self.stop()
+            await self.stop("could not start")
             raise
-        if self.slot.standby:  # a spare: up, discovered, claimed, holding no layers (fail-over: next step)
+        if self.slot.standby:
+            self.role = "standby"
+            self._start_monitor()
             log.info("standby slot %s up on %s:%d (holds no layers)", self.slot_id, self.host, self.port)
             return
-        self._tasks.append(asyncio.create_task(self._worker(), name=f"stage-{self.slot_id}"))
-        log.info("slot %s serving on %s:%d: %s", self.slot_id, self.host, self.port, self.tplan.describe())
+        self._start_serving()
+        log.info("slot %s serving on %s:%d: %s", self.slot_id, self.host, self.port, self.plan.describe())
 
-    async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
+    async def _load(self, slot_id: str) -> None:
+        loop = asyncio.get_running_loop()
+        o = self.opts
+        self.plan = self.topo.slot_plan(self.topo.slot(slot_id), self.cfg)
+        plan = model_plan(self.plan, self.cfg)
+        stage = await loop.run_in_executor(self._executor, load_stage, self.model_dir, plan, o.dtype, o.device,
+                                           self.cfg)
+        self.runner = StageRunner(stage, stage.new_cache(o.max_sessions, o.cache_tokens))
+        self.worker = StageWorker(self.runner, self._executor, slot=slot_id, max_batch_tokens=o.max_batch_tokens,
+                                  emit=self._emit, report=self._report, pass_free=self._pass_free)
+        if plan.embed:  # requests are taken from now on; they run once the worker starts
+            self.entry = Entry(self.worker.put, self._free_from_entry, prefill_chunk=o.prefill_chunk,
+                               max_batch_tokens=o.max_batch_tokens, max_sessions=o.max_sessions)
+            self.coordinator = Coordinator(self)
+            self.clients = ClientService(self.entry, self.cfg.vocab_size, health=self.coordinator.health,
+                                         stage_stats=self.public_stats)
+
+    def _start_serving(self) -> None:
+        self.role = "entry" if self.entry is not None else "stage"
+        self.worker.start()
+        if self.entry is not None:
+            self._start_monitor()
+            self.coordinator.start()
+        elif self.monitor is not None:  # a standby that took a stage over watches nothing
+            self.monitor.stop()
+            self.monitor = None
+
+    def _start_monitor(self) -> None:
+        if self.monitor is not None:
+            self.monitor.stop()
+        o = self.opts
+        self.monitor = Monitor(self.secret, self.node_id, self._watched, self.routes.address,
+                               heartbeat_s=o.heartbeat_s, dead_after_s=o.dead_after_s, on_change=self._on_peer_change)
+        self.monitor.start()
+
+    def _watched(self) -> list[str]:
+        """Entry: every other active slot and every standby. Standby: the entry slot and the other standbys."""
+        if self.role == "entry":
+            return [s.id for s in self.topo.slots if s.id != self.slot_id]
+        if self.role == "standby":
+            return [self.topo.active[0].id] + [s.id for s in self.topo.standby if s.id != self.slot_id]
+        return []
+
+    def _on_peer_change(self, slot: str, ps) -> None:
+        info = ps.info
+        if ps.state == "up" and info.get("node") and isinstance(info.get("epoch"), int) and info.get("slot"):
+            self.claims.observe(info["node"], info["slot"], info["epoch"])  # heartbeats keep claims fresh
+        elif ps.state == "dead":  # the detector's verdict voids the claim: a restarted node may claim the slot
+            holder = self.holder_of(slot, ps)
+            if holder is not None:
+                self.claims.mark_dead(slot, *holder)
+        if self.coordinator is not None:
+            self.coordinator.on_change(slot, ps)
+        elif self.role == "standby" and slot == self.topo.active[0].id:
+            asyncio.get_running_loop().call_later(0, self._maybe_take_entry)
+
+    def holder_of(self, slot: str, ps) -> tuple[str, int] | None:
+        """(node, epoch) of the claim a takeover of `slot` replaces: the claim table's record (commits and
+        heartbeats feed it), else what the holder's last pong said."""
+        r = self.claims.record(slot)
+        if r is not None and r.node != self.node_id:
+            return r.node, r.epoch
+        if ps is not None and ps.info.get("node") and isinstance(ps.info.get("epoch"), int):
+            return ps.info["node"], ps.info["epoch"]
+        return None
+
+    def _maybe_take_entry(self) -> None:
+        if self.role != "standby" or self.monitor is None or self._taking is not None:
+            return
+        if Coordinator(self).entry_lost():
+            slot = self.topo.active[0].id
+            self._taking = asyncio.create_task(self._take_over_entry(self.holder_of(slot, self.monitor.state(slot))))
+
+    async def _take_over_entry(self, replaces) -> None:
+        slot = self.topo.active[0].id
+        try:
+            route = await self.take_over(slot, replaces)
+        except Exception as e:
+            log.error("could not take over the entry slot %s: %s; retrying", slot, e)
+            asyncio.get_running_loop().call_later(self.opts.heartbeat_s, self._maybe_take_entry)
+            return
+        finally:
+            self._taking = None
+        await self.broadcast(Frame.make("route", **route.to_wire()))
+
+    async def stop(self, reason: str = "stopped") -> None:
+        if self.stop_reason is None:
+            self.stop_reason = reason
+            log.info("node %s (slot %s) stopping: %s", self.node_id, self.slot_id, reason)
+        for part in (self.worker, self.monitor, self.coordinator):
+            if part is not None:
+                part.stop()
         if self.discovery is not None:
             await self.discovery.stop()
         if self.server is not None:
-            await _maybe_await(self.server.close())
-        if self._next_conn is not None:
-            self._next_conn.close("shutting down")
+            self.server.close()
+        self.successor.close()
+        self.to_entry.close()
         if self.entry:
             self.entry.fail_all("node shutting down")
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self.stopped.set()
 
     async def _start_discovery(self) -> None:
-        c = self.topo.cluster
-        adv = self.advertise_host or (self.host if self.host not in ("0.0.0.0", "") else None)
+        c, o = self.topo.cluster, self.opts
+        adv = self.advertised_host
         self.discovery = Discovery(c.name, self.secret, self.node_id, port=self.port, host=adv,
                                    beacon_port=c.beacon_port, beacon_addrs=c.beacon_addrs,
                                    static=self.topo.static_addresses(), claims=self.claims,
-                                   standby=self.slot.standby,
-                                   interval=0.5 if self.claim_wait < 1.5 else 1.0)
-        if self.drop_beacons:
-            self.discovery._on_datagram = lambda data, addr: None
+                                   standby=self.slot.standby, interval=0.5 if o.claim_wait < 1.5 else 1.0,
+                                   drop_received=o.drop_beacons)
+        self.routes.discovery = self.discovery
         await self.discovery.start()
-        await asyncio.sleep(self.claim_wait)  # hear the others' beacons before claiming
+        await asyncio.sleep(o.claim_wait)  # hear the others' beacons before claiming
 
-    async def _claim_slot(self) -> None:
-        """Take our slot with an epoch above any seen: ask every discovered node and the static address of
+    @property
+    def advertised_host(self) -> str:
+        o = self.opts
+        return o.advertise_host or (self.host if self.host not in ("0.0.0.0", "") else "127.0.0.1")
+
+    async def _claim_slot(self, slot_id: str, replaces: tuple[str, int] | None = None) -> None:
+        """Take `slot_id` with an epoch above any seen: ask every discovered node and the static address of
         every other slot; a live holder refuses and we stop with its reason (ClaimRefused)."""
         addrs: dict[str, tuple[str, int]] = {}
         if self.discovery is not None:
             for nid, p in self.discovery.peers().items():
                 addrs[nid] = p.address
-        mine = {(self.host, self.port), (self.advertise_host, self.port)}
-        for sid, a in self.topo.static_addresses().items():
+        mine = {(self.host, self.port), (self.advertised_host, self.port)}
+        for sid in [s.id for s in self.topo.slots]:
+            try:
+                a = self.routes.address(sid)
+            except ConnectionError:
+                continue
             if a not in mine and a not in addrs.values():
-                addrs[f"static:{sid}"] = a
-        base = connection_asker(addrs, self.secret, self.node_id, connect_timeout=1.0)
+                addrs[f"addr:{sid}"] = a
+        await self._check_secret(addrs)
+        by_id = connection_asker(addrs, self.secret, self.node_id, connect_timeout=1.0)
 
         async def ask(peer, frame):
-            if peer.startswith("static:"):  # we do not know its node id: ask whoever answers there
-                from p2pk3.transport.connection import open_connection
-                conn = await open_connection(*addrs[peer], self.secret, self.node_id, timeout=1.0, handshake_timeout=1.0)
-                try:
-                    await conn.send(frame)
-                    return await conn.recv() if frame.header.get("op", "request") == "request" else None
-                finally:
-                    conn.close("claim done")
-            return await base(peer, frame)
+            if not peer.startswith("addr:"):
+                return await by_id(peer, frame)
+            conn = await open_connection(*addrs[peer], self.secret, self.node_id, timeout=1.0, handshake_timeout=1.0)
+            try:  # we do not know its node id: ask whoever answers there
+                await conn.send(frame)
+                return await conn.recv() if frame.header.get("op", "request") == "request" else None
+            finally:
+                conn.close("claim done")
 
         async def notify(peer, frame):
             try:
@@ -167,264 +276,252 @@ class NodeDaemon:
             except Exception:
                 pass
 
-        self.claim = await negotiate_claim(self.claims, self.slot_id, list(addrs), ask, timeout=2.0, notify=notify)
+        self.claim = await negotiate_claim(self.claims, slot_id, list(addrs), ask, timeout=2.0, notify=notify,
+                                           replaces=replaces)
         if self.discovery is not None:
-            self.discovery.update(slot=self.slot_id, epoch=self.claim.epoch, since=self.claim.since)
-        log.info("claimed slot %s (epoch %d)", self.slot_id, self.claim.epoch)
+            self.discovery.update(slot=slot_id, epoch=self.claim.epoch, since=self.claim.since, standby=False
+                                  if not self.topo.slot(slot_id).standby else True)
+        log.info("claimed slot %s (epoch %d)", slot_id, self.claim.epoch)
 
-    # ------------------------------------------------------------------ ring successor
+    async def _check_secret(self, addrs: dict[str, tuple[str, int]]) -> None:
+        """Refuse to claim a slot when every peer we reach refuses our proof: our secret is wrong (a node
+        alone by design — no other reachable peer — may go on)."""
+        async def one(a):
+            try:
+                c = await open_connection(*a, self.secret, self.node_id, timeout=1.0, handshake_timeout=1.0)
+                c.close("secret check")
+                return "ok"
+            except AuthenticationError as e:
+                return e
+            except Exception:
+                return None  # unreachable: cannot tell
+
+        res = await asyncio.gather(*(one(a) for a in addrs.values()))
+        refused = [r for r in res if isinstance(r, AuthenticationError)]
+        if refused and "ok" not in res:
+            raise WrongSecret(f"every peer reached ({len(refused)}) refused this node's proof: the cluster secret "
+                              f"({self.topo.cluster.secret_file}) differs from theirs ({refused[0]})")
+
+    async def take_over(self, slot_id: str, replaces: tuple[str, int] | None) -> Route:
+        """A standby becomes `slot_id`: load exactly that slot's weights, claim it at a new epoch, serve."""
+        if self.role != "standby":
+            raise RuntimeError(f"node {self.node_id} is not a standby (it is {self.role} of slot {self.slot_id})")
+        if self.topo.slot(slot_id).standby:
+            raise ValueError(f"slot {slot_id} is a standby slot")
+        log.warning("taking over slot %s (replacing %s)", slot_id, replaces)
+        self.role = "loading"
+        try:
+            await self._load(slot_id)
+            await self._claim_slot(slot_id, replaces)
+        except BaseException:
+            self.role = "standby"
+            self.runner = self.worker = self.entry = self.clients = self.coordinator = None
+            raise
+        self.slot_id = slot_id
+        route = Route(slot_id, self.node_id, self.advertised_host, self.port, self.claim.epoch)
+        self.routes.announce(route)
+        self._start_serving()
+        log.warning("took over slot %s at epoch %d: %s", slot_id, self.claim.epoch, self.plan.describe())
+        return route
+
+    async def broadcast(self, frame: Frame, *, stages_only: bool = False) -> None:
+        """Send `frame` to every other node of the topology (best effort, each with a deadline)."""
+        slots = self.topo.active if stages_only else self.topo.slots
+
+        async def one(sid):
+            try:
+                addr = self.routes.address(sid)
+                conn = await open_connection(*addr, self.secret, self.node_id, timeout=2.0, handshake_timeout=2.0)
+                try:
+                    await asyncio.wait_for(conn.send(frame), 2.0)
+                finally:
+                    conn.close("broadcast done")
+            except Exception as e:
+                log.debug("could not send %s to slot %s: %s", frame.kind, sid, e)
+
+        await asyncio.gather(*(one(s.id) for s in slots if s.id != self.slot_id))
+
+    # ------------------------------------------------------------------ ring links
     def _successor_addr(self) -> tuple[str, int]:
         act = self.topo.active
         nxt = act[(act.index(self.slot) + 1) % len(act)]
-        if self.discovery is not None:
-            peer = self.discovery.resolve_slot(nxt.id)  # the live claimant, else the static address
-            if peer is not None:
-                return peer.address
-        if nxt.host and nxt.port:
-            return nxt.host, nxt.port
-        raise ConnectionError(f"no address known for ring successor slot {nxt.id} (not discovered, none in topology)")
+        return self.routes.address(nxt.id)
 
-    @property
-    def is_alone(self) -> bool:
-        return len(self.topo.active) == 1
-
-    async def _send_next(self, frame: Frame, *, as_received: bool = False) -> None:
-        async with self._next_lock:
-            tries = 300 if self.discovery is not None else 50  # discovery may still be converging
-            for attempt in range(tries):
-                if self._next_conn is None or self._next_conn.closed:
-                    try:
-                        host, port = self._successor_addr()
-                        self._next_conn = await open_connection(host, port, self.secret, self.node_id)
-                        asyncio.create_task(self._drain_replies(self._next_conn))
-                    except (OSError, asyncio.TimeoutError, TransportError, ConnectionError) as e:
-                        if attempt == tries - 1:
-                            raise
-                        log.debug("successor not reachable yet (%s); retrying", e)
-                        await asyncio.sleep(0.1)
-                        continue
-                try:
-                    if as_received:  # pass a received frame on without re-encoding it
-                        await self._next_conn.forward(frame)
-                    else:
-                        await self._next_conn.send(frame)
-                    return
-                except (ConnectionClosed, TransportError, OSError) as e:
-                    log.warning("lost the connection to the ring successor: %s", e)
-                    self._next_conn = None
-            raise ConnectionError("ring successor unreachable")
-
-    async def _drain_replies(self, conn) -> None:
-        """Our successor never sends on this connection except errors; log them."""
-        try:
-            async for f in conn:
-                if f.kind == "error":
-                    log.warning("successor reported: %s: %s", f.header.get("code"), f.header.get("message"))
-        except (ProtocolError, TransportError, ConnectionError):
-            pass
+    def _on_route(self, r: Route) -> None:
+        act = self.topo.active
+        if self.slot in act and r.slot == act[(act.index(self.slot) + 1) % len(act)].id:
+            self.successor.reset("the successor slot moved")
+        if r.slot == act[0].id:
+            self.to_entry.reset("the entry moved")
 
     # ------------------------------------------------------------------ inbound
     async def _handle(self, conn) -> None:
+        reqs = ClientRequests(conn)
         try:
             async for f in conn:
                 self.stats["frames_in"] += 1
-                kind = f.kind
-                if kind in ("forward", "result", "free") and self.runner is None:
-                    raise ProtocolError(f"{kind} frame sent to standby slot {self.slot_id}, which holds no stage")
-                if kind == "forward":
-                    try:
-                        work = work_from_forward(f, self.runner.stage.device)
-                    except ProtocolError:
-                        raise
-                    except Exception as e:  # malformed tensors (dtype/shape the stage cannot take)
-                        raise ProtocolError(f"forward frame rejected: {e}") from None
-                    self.queue.put_nowait(work)
-                elif kind == "result":
-                    if self.entry is None:  # an error result on its way to the entry: pass it on
-                        parse_result(f)
-                        await self._send_next(f, as_received=True)
-                        continue
-                    results = parse_result(f)
-                    logits = torch_tensor(f, "logits", "cpu") if f.has("logits") else None
-                    self.entry.on_results(results, logits)
-                elif kind == "free":
-                    self.queue.put_nowait(_Free(parse_free(f), str(f.header.get("origin", ""))))
-                elif kind == "ping":
-                    await conn.send(pong_frame(f, slot=self.slot_id, **self.public_stats()))
-                elif kind == "generate":
-                    await self._serve_generate(conn, f)
-                elif kind == "claim":
-                    reply = handle_claim(self.claims, f, peer_id=conn.peer_id)
-                    if reply is not None:
-                        await conn.send(reply)
-                elif kind == "status":
-                    await conn.send(Frame.make("status", **self.public_stats()))
-                else:
-                    raise ProtocolError(f"unexpected frame kind {kind!r}")
+                handler = self._handlers.get(f.kind)
+                if handler is None:
+                    raise ProtocolError(f"unexpected frame kind {f.kind!r}")
+                await handler(conn, f, reqs)
         except ProtocolError as e:
             self.stats["errors"] += 1
             log.warning("closing connection from %s: %s", conn.describe(), e)
             try:
-                await conn.send(error_frame("bad_frame", str(e), fatal=True))
+                await asyncio.wait_for(conn.send(error_frame(ErrorCode.BAD_FRAME, str(e), fatal=True)), 1.0)
             except Exception:
                 pass
             conn.close(str(e))
         except (ConnectionClosed, TransportError, ConnectionError):
             pass
+        finally:
+            reqs.close(self.entry)
 
-    def public_stats(self) -> dict:
-        r = self.runner
-        return {"slot": self.slot_id, "standby": self.slot.standby, "node": self.node_id,
-                "epoch": self.claim.epoch if self.claim else None, "batches": self.stats["batches"],
-                "tokens": self.stats["tokens"], "busy_s": round(self.stats["busy_s"], 4),
-                "sessions": len(r.cache.sessions) if r else 0, "errors": self.stats["errors"]}
+    def _need_stage(self, kind: str) -> None:
+        if self.worker is None:
+            raise ProtocolError(f"{kind} frame sent to slot {self.slot_id}, which holds no stage ({self.role})")
 
-    # ------------------------------------------------------------------ the stage worker
-    def _submit_local(self, work: Work) -> None:
-        self.queue.put_nowait(work)
+    async def _on_forward(self, conn, f, reqs) -> None:
+        self._need_stage("forward")
+        try:
+            work = work_from_forward(f, self.runner.stage.device)
+        except ProtocolError:
+            raise
+        except Exception as e:  # malformed tensors (dtype/shape the stage cannot take)
+            raise ProtocolError(f"forward frame rejected: {e}") from None
+        self.worker.put(work)
 
-    def _free_from_entry(self, sessions) -> None:
-        self.queue.put_nowait(_Free([(str(s), e) for s, e in sessions], origin=self.node_id))
-
-    async def _worker(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            item = await self.queue.get()
-            if isinstance(item, _Free):
-                await self._do_free(item)
-                continue
-            works, n = [item], item.n_tokens
-            pending_free = []
-            while not self.queue.empty() and n < self.max_batch_tokens:  # continuous batching
-                nxt = self.queue.get_nowait()
-                if isinstance(nxt, _Free):
-                    pending_free.append(nxt)
-                    break
-                works.append(nxt)
-                n += nxt.n_tokens
-            try:
-                await self._run_works(loop, works)
-                for fr in pending_free:
-                    await self._do_free(fr)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # the worker must survive anything one batch does
-                self.stats["errors"] += 1
-                log.exception("slot %s: batch failed", self.slot_id)
-                for w in works:
-                    try:
-                        await self._report_errors(w, RuntimeError(f"slot {self.slot_id} failed: {e}"))
-                    except Exception:
-                        log.warning("slot %s: could not report the failure to the entry", self.slot_id)
-
-    async def _run_works(self, loop, works: list[Work]) -> None:
-        groups = [works]
-        if len(works) > 1 and (works[0].tokens is None) != (works[-1].tokens is None):
-            groups = [[w] for w in works]
-        for group in groups:
-            t0 = time.perf_counter()
-            try:
-                out = await loop.run_in_executor(self._executor, self.runner.run, merge(group))
-                outs = [(group, out)]
-            except Exception as e:  # CacheFull, SessionError, ExpertNotHeld, or a bad hop's shapes
-                if len(group) == 1:
-                    await self._report_errors(group[0], e)
-                    continue
-                outs = []  # one bad unit must not fail the others: rerun them one by one
-                for w in group:
-                    try:
-                        outs.append(([w], await loop.run_in_executor(self._executor, self.runner.run, w)))
-                    except Exception as e1:
-                        await self._report_errors(w, e1)
-            self.stats["busy_s"] += time.perf_counter() - t0
-            for g, out in outs:
-                self.stats["batches"] += 1
-                self.stats["tokens"] += sum(w.n_tokens for w in g)
-                segs = [s for w in g for s in w.segments]
-                await self._emit(segs, out)
-
-    async def _emit(self, segs, out) -> None:
-        if out[0] == "hop":
-            nl = self.tplan.last_layer + (0 if self.tplan.exits_mid_moe else 1)
-            await self._send_next(hop_frame(segs, out[1], nl))
+    async def _on_result(self, conn, f, reqs) -> None:
+        results = parse_result(f)
+        if self.entry is None:  # on its way to the entry (the route changed under it): pass it on
+            await self._to_entry(f)
             return
-        _, results, logits = out
-        if self.entry is not None:  # the ring closes on this node (single-slot ring)
-            self.entry.on_results(results, logits)
-        else:
-            await self._send_next(result_frame(results, wire_tensor(logits) if logits is not None else None))
+        logits = torch_tensor(f, "logits", "cpu") if f.has("logits") else None
+        self.entry.on_results(results, logits)
 
-    async def _report_errors(self, work: Work, e: Exception) -> None:
-        self.stats["errors"] += 1
-        msg = str(e) if isinstance(e, RECOVERABLE) else f"{type(e).__name__}: {e}"
-        if isinstance(e, RECOVERABLE):
-            log.warning("slot %s: %s", self.slot_id, msg)
+    async def _on_free(self, conn, f, reqs) -> None:
+        self._need_stage("free")
+        sessions, origin = parse_free(f)
+        self.worker.put(Free([(str(s), e) for s, e in sessions], origin))
+
+    async def _on_retain(self, conn, f, reqs) -> None:
+        self.retain(parse_retain(f))
+
+    def retain(self, keep: dict[str, int]) -> None:
+        if self.worker is not None:
+            self.worker.put(Retain(keep))
+
+    async def _on_ping(self, conn, f, reqs) -> None:
+        await conn.send(pong_frame(f, **self.public_stats()))
+
+    async def _on_status(self, conn, f, reqs) -> None:
+        await conn.send(status_frame(**self.public_stats()))
+
+    async def _on_claim(self, conn, f, reqs) -> None:
+        reply = handle_claim(self.claims, f, peer_id=conn.peer_id)
+        if reply is not None:
+            await conn.send(reply)
+
+    async def _on_generate(self, conn, f, reqs) -> None:
+        if self.clients is None:
+            entry = self.topo.active[0].id
+            try:
+                h, p = self.routes.address(entry)
+                where = f" at {h}:{p}"
+            except ConnectionError:
+                where = ""
+            await conn.send(error_frame(ErrorCode.NOT_ENTRY, f"slot {self.slot_id} has no entry role; connect to "
+                                        f"the entry (slot {entry}{where})", request_id=f.header.get("request_id")))
+            return
+        await self.clients.generate(conn, f, reqs)
+
+    async def _on_cancel(self, conn, f, reqs) -> None:
+        if self.clients is not None:
+            self.clients.cancel(f, reqs)
+
+    async def _on_route_frame(self, conn, f, reqs) -> None:
+        r = parse_route(f)
+        if r.slot == self.slot_id and r.node != self.node_id and self.claim and r.epoch > self.claim.epoch:
+            log.error("slot %s was taken over by %s at epoch %d (ours: %d): this node steps down",
+                      r.slot, r.node, r.epoch, self.claim.epoch)
+            asyncio.get_running_loop().call_later(0, lambda: asyncio.ensure_future(
+                self.stop(f"slot {r.slot} was taken over by node {r.node} (epoch {r.epoch})")))
+        self.routes.announce(r)
+
+    async def _on_takeover(self, conn, f, reqs) -> None:
+        slot, replaces = parse_takeover(f)
+        try:
+            route = await self.take_over(slot, replaces)
+        except Exception as e:
+            await conn.send(error_frame(ErrorCode.FAILED, f"takeover of slot {slot} failed: {e}"))
+            return
+        await conn.send(Frame.make("route", **route.to_wire()))
+
+    # ------------------------------------------------------------------ outbound
+    async def _emit(self, segs, out: HopOut | HeadOut) -> None:
+        if isinstance(out, HopOut):
+            nl = self.plan.last_layer + (0 if self.plan.exits_mid_moe else 1)
+            frame = hop_frame(segs, out.hop, nl)
+        elif self.entry is not None:  # the ring closes on this node (single-slot ring)
+            self.entry.on_results(out.results, out.logits)
+            return
         else:
-            log.error("slot %s: unexpected failure of a batch: %s", self.slot_id, msg, exc_info=e)
-        results = [{"session": s.session, "epoch": s.epoch, "pos": s.start_pos, "token": 0, "error": msg}
-                   for s in work.segments]
-        # the stage frees nothing it did not open; the entry frees the sessions along the ring
+            frame = result_frame(out.results, wire_tensor(out.logits) if out.logits is not None else None)
+        try:
+            await self.successor.send(frame)
+        except LinkDown as e:
+            log.error("slot %s: %s; the entry re-sends these sessions once the ring is repaired", self.slot_id, e)
+            await self._report([Result(s.session, s.epoch, s.start_pos, error=f"slot {self.slot_id}: {e}",
+                                       code=ErrorCode.UNAVAILABLE) for s in segs])
+
+    async def _report(self, results: list[Result]) -> None:
+        """Per-session errors go straight to the entry (not along the ring, which may be what broke)."""
         if self.entry is not None:
             self.entry.on_results(results, None)
-        else:
-            await self._send_result_to_entry(results)
+            return
+        await self._to_entry(result_frame(results))
 
-    async def _send_result_to_entry(self, results) -> None:
-        """Errors skip the remaining stages: they travel on the ring to the entry as result frames
-        (stages that are not the head pass result frames on)."""
-        await self._send_next(result_frame(results))
+    async def _to_entry(self, frame: Frame) -> None:
+        try:
+            await self.to_entry.send(frame, deadline_s=self.opts.dead_after_s * 2)
+        except LinkDown as e:
+            log.warning("slot %s: could not reach the entry: %s", self.slot_id, e)
 
-    async def _do_free(self, fr: _Free) -> None:
-        for sid, _epoch in fr.sessions:
-            self.runner.free(sid)
+    def _free_from_entry(self, sessions) -> None:
+        self.worker.put(Free([(str(s), e) for s, e in sessions], origin=self.node_id))
+
+    async def _pass_free(self, fr: Free) -> None:
         act = self.topo.active
-        last = act.index(self.slot) == len(act) - 1
-        if not last:
-            f = free_frame(fr.sessions)
-            f.header["origin"] = fr.origin
-            await self._send_next(f)
-
-    # ------------------------------------------------------------------ clients
-    async def _serve_generate(self, conn, f: Frame) -> None:
-        if self.entry is None:
-            await conn.send(error_frame("not_entry", f"slot {self.slot_id} has no entry role; connect to the first slot"))
-            return
-        h = f.header
-        prompt = h.get("prompt")
-        vocab = self.cfg.vocab_size
-        if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
-            await conn.send(error_frame("bad_request", f"prompt must be a non-empty list of token ids in 0..{vocab - 1}"))
+        if act.index(self.slot) == len(act) - 1:
             return
         try:
-            params = SamplingParams.from_wire(h.get("params") or {})
-            s = self.entry.submit(prompt, params, want_logits=bool(h.get("logits")), incremental=bool(h.get("incremental")))
-        except Busy as e:
-            await conn.send(error_frame("busy", str(e)))
-            return
-        except (ValueError, TypeError) as e:
-            await conn.send(error_frame("bad_request", str(e)))
-            return
-        rid = h.get("request_id", 0)
+            await self.successor.send(free_frame(fr.sessions, fr.origin))
+        except LinkDown as e:
+            log.warning("slot %s: free not passed on: %s", self.slot_id, e)
+
+    # ------------------------------------------------------------------ status
+    def public_stats(self) -> dict:
+        w = self.worker.stats if self.worker else None
+        st = {"slot": self.slot_id, "standby": self.role == "standby", "role": self.role, "node": self.node_id,
+              "epoch": self.claim.epoch if self.claim else None, "address": [self.advertised_host, self.port],
+              "batches": w.batches if w else 0, "tokens": w.tokens if w else 0,
+              "busy_s": round(w.busy_s, 4) if w else 0.0, "last_batch_ms": round(w.last_batch_ms, 3) if w else 0.0,
+              "queue": self.worker.depth if self.worker else 0,
+              "sessions": self.runner.sessions if self.runner else 0,
+              "errors": self.stats["errors"] + (w.errors if w else 0), "uptime_s": round(time.time() - self.stats["started"], 1),
+              "memory": memory_usage(self.opts.device)}
+        if self.role in ("entry", "stage") and hasattr(self, "plan"):
+            st["layers"] = [self.plan.layers[0].layer, self.plan.last_layer] if self.plan.layers else None
         try:
-            while True:
-                tok = await s.out.get()
-                if tok is None:
-                    break
-                await conn.send(Frame.make("token", request_id=rid, session=s.id, token=tok))
-        except (ConnectionClosed, TransportError):
-            self.entry.cancel(s.id, "client went away")
-            return
-        if s.error:
-            await conn.send(error_frame("busy" if "busy" in s.error else "failed", s.error, request_id=rid, session=s.id))
-            return
-        tensors = None
-        if s.want_logits:
-            tensors = [("logits", wire_tensor(torch.cat(s.logits)))]
-        await conn.send(Frame.make("done", tensors, request_id=rid, session=s.id, tokens=s.generated,
-                                   stats=s.stats(), stage_stats=self.public_stats()))
-
-
-async def _maybe_await(x):
-    if asyncio.iscoroutine(x) or isinstance(x, asyncio.Future):
-        return await x
-    return x
+            st["entry"] = list(self.routes.address(self.topo.active[0].id))
+        except ConnectionError:
+            st["entry"] = None
+        if self.entry is not None:
+            st["live_sessions"] = len(self.entry.live())
+            st["paused"] = self.entry.paused
+            st["finished"], st["failed"] = self.entry.finished, self.entry.failed
+        if self.coordinator is not None:
+            st["unavailable"] = self.coordinator.unavailable
+            st["down"] = sorted(self.coordinator.down)
+            st["events"] = self.coordinator.events[-20:]
+        return st

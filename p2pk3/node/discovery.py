@@ -138,7 +138,8 @@ class Discovery:
                  unicast: Iterable[str] = (), bind: str = "0.0.0.0", interval: float = 1.0,
                  expiry: float | None = None, max_skew: float = 30.0,
                  static: Mapping[str, tuple[str, int]] | None = None,
-                 on_event: Callable[[str, PeerInfo], None] | None = None, claims: Any = None):
+                 on_event: Callable[[str, PeerInfo], None] | None = None, claims: Any = None,
+                 drop_received: bool = False):
         self.cluster = cluster
         sec = secret.encode() if isinstance(secret, str) else bytes(secret)
         if not sec:
@@ -158,8 +159,9 @@ class Discovery:
         self.static = dict(static or {})
         self.on_event = on_event
         self.claims = claims
+        self.drop_received = drop_received  # fault injection: every received beacon is lost (counted)
         self.stats = {k: 0 for k in ("sent", "received", "accepted", "malformed", "bad_signature", "wrong_cluster",
-                                     "stale", "replayed", "own", "duplicate_id", "send_errors")}
+                                     "stale", "replayed", "own", "duplicate_id", "send_errors", "dropped")}
         self._peers: dict[str, PeerInfo] = {}
         self._seqs: dict[tuple[str, str], int] = {}
         self._seq = 0
@@ -243,6 +245,9 @@ class Discovery:
     # ---------------------------------------------------------------- receiving
     def _on_datagram(self, data: bytes, addr: tuple[str, int]) -> None:
         self.stats["received"] += 1
+        if self.drop_received:
+            self.stats["dropped"] += 1
+            return
         try:
             b = decode_beacon(self._key, data)
         except BeaconError as e:

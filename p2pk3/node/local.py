@@ -1,10 +1,13 @@
-"""`p2pk3 local`: a ring of N daemons on loopback, each its own process, with a generated topology and
-secret; plus helpers that run `score` / `generate` through such a ring."""
+"""`p2pk3 local`: a ring of N daemons (plus S standbys) on loopback, each its own process, with a
+generated topology and secret; helpers to kill / restart one of them, to follow which node holds which
+slot (the `--state` file), and to run `score` / `generate` through such a ring."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -15,9 +18,11 @@ from pathlib import Path
 
 import torch
 
-from p2pk3.engine.sampling import SamplingParams
 from p2pk3.model.config import K3Config
-from p2pk3.topology import even_split
+from p2pk3.params import SamplingParams
+from p2pk3.topology import Topology, even_split
+from p2pk3.transport.connection import open_connection
+from p2pk3.transport.messages import status_frame
 
 from .client import Client
 
@@ -34,11 +39,11 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def write_local_topology(model_dir: Path, nodes: int, workdir: Path, topology_dict_hook=None) -> Path:
+def write_local_topology(model_dir: Path, nodes: int, workdir: Path, standby: int = 0) -> Path:
     cfg = K3Config.from_pretrained(model_dir)
-    ports = free_ports(nodes)
+    ports = free_ports(nodes + standby)
     topo = even_split(cfg, nodes, host="127.0.0.1", base_port=ports[0], model_path=str(Path(model_dir).resolve()),
-                      secret_file="secret", name="local")
+                      secret_file="secret", name="local", n_standby=standby)
     for s, p in zip(topo.slots, ports):
         s.port = p
     (workdir / "secret").write_text(secrets.token_hex(32) + "\n")
@@ -48,84 +53,177 @@ def write_local_topology(model_dir: Path, nodes: int, workdir: Path, topology_di
     return path
 
 
+async def probe(addr: tuple[str, int], secret: bytes, timeout: float = 1.0) -> dict | None:
+    """A node's status over an authenticated connection (None when it does not answer)."""
+    try:
+        conn = await open_connection(*addr, secret, "local-probe", timeout=timeout, handshake_timeout=timeout)
+    except Exception:
+        return None
+    try:
+        await asyncio.wait_for(conn.send(status_frame()), timeout)
+        return dict((await asyncio.wait_for(conn.recv(), timeout)).header)
+    except Exception:
+        return None
+    finally:
+        conn.close("probe done")
+
+
 class LocalRing:
-    """Start N `p2pk3 node` processes; `stop()` ends them all."""
+    """Start N `p2pk3 node` processes (and S standbys); `stop()` ends them all, also on failure."""
 
     def __init__(self, model_dir: str | Path, nodes: int, workdir: str | Path | None = None, dtype: str = "float32",
-                 extra_args: list[str] | None = None, log_dir: str | Path | None = None):
-        self._tmp = None
+                 extra_args: list[str] | None = None, log_dir: str | Path | None = None, standby: int = 0):
+        self._tmp = None  # a folder we made: removed at the end unless something failed (logs are kept)
         if workdir is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="p2pk3-local-")
-            workdir = self._tmp.name
+            workdir = self._tmp = tempfile.mkdtemp(prefix="p2pk3-local-")
         self.workdir = Path(workdir)
         self.model_dir = Path(model_dir)
-        self.nodes = nodes
-        self.topology = write_local_topology(self.model_dir, nodes, self.workdir)
-        from p2pk3.topology import Topology
+        self.nodes, self.n_standby = nodes, standby
+        self.topology = write_local_topology(self.model_dir, nodes, self.workdir, standby)
         self.topo = Topology.load(self.topology)
         self.secret = self.topo.secret()
         self.dtype = dtype
         self.extra = extra_args or []
         self.log_dir = Path(log_dir) if log_dir else self.workdir
-        self.procs: list[subprocess.Popen] = []
+        self.procs: dict[str, subprocess.Popen] = {}  # by the slot each process was started on
+        self.failed = False
 
     @property
     def entry_addr(self) -> tuple[str, int]:
         s = self.topo.active[0]
         return s.host, s.port
 
-    def start(self, timeout: float = 120.0) -> "LocalRing":
+    def address(self, slot: str) -> tuple[str, int]:
+        s = self.topo.slot(slot)
+        return s.host, s.port
+
+    def log_path(self, slot: str) -> Path:
+        return self.log_dir / f"node-{slot}.log"
+
+    def spawn(self, slot: str) -> subprocess.Popen:
+        """Start the daemon of `slot` (again). The daemon runs with -P and the work folder as its working
+        directory, so a folder named p2pk3 where the user stands cannot shadow the installed package."""
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
-        for s in self.topo.active:
-            log = open(self.log_dir / f"node-{s.id}.log", "w")
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "p2pk3.cli", "node", "--topology", str(self.topology), "--slot", s.id,
-                 "--dtype", self.dtype, "--no-discovery", *self.extra],
-                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
-        deadline = time.time() + timeout
-        pending = {s.id: (s.host, s.port) for s in self.topo.active}
-        while pending:
-            for i, p in enumerate(self.procs):
-                if p.poll() is not None:
-                    self.stop()
-                    sid = self.topo.active[i].id
-                    raise RuntimeError(f"node {sid} exited with {p.returncode}: "
-                                       f"{(self.log_dir / f'node-{sid}.log').read_text()[-2000:]}")
-            for sid, (h, port) in list(pending.items()):
-                try:
-                    socket.create_connection((h, port), timeout=0.2).close()
-                    del pending[sid]
-                except OSError:
-                    pass
-            if time.time() > deadline:
-                self.stop()
-                raise TimeoutError(f"ring not up after {timeout}s; waiting for {sorted(pending)}")
-            time.sleep(0.1)
+        s = self.topo.slot(slot)
+        log = open(self.log_path(slot), "a")
+        role = ["--standby"] if s.standby else []
+        p = subprocess.Popen(
+            [sys.executable, "-P", "-m", "p2pk3.cli", "node", "--topology", str(self.topology), "--slot", slot,
+             *role, "--dtype", self.dtype, "--no-discovery", *self.extra],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=self.workdir)
+        log.close()
+        self.procs[slot] = p
+        return p
+
+    def start(self, timeout: float = 120.0, *, standbys: bool = True) -> "LocalRing":
+        """Start every active slot's daemon (and the standbys', unless standbys=False) and wait until
+        each answers an authenticated status request."""
+        slots = [s.id for s in self.topo.slots if standbys or not s.standby]
+        try:
+            for sid in slots:
+                self.spawn(sid)
+            self.wait_up(slots, timeout)
+        except BaseException:
+            self.failed = True
+            self.stop()
+            raise
         return self
 
+    def wait_up(self, slots: list[str], timeout: float = 120.0) -> None:
+        deadline = time.time() + timeout
+        pending = set(slots)
+        while pending:
+            for sid in list(pending):
+                p = self.procs.get(sid)
+                if p is not None and p.poll() is not None:
+                    raise RuntimeError(f"node {sid} exited with {p.returncode}; its log ({self.log_path(sid)}):\n"
+                                       f"{self.log_path(sid).read_text()[-2000:]}")
+                st = asyncio.run(probe(self.address(sid), self.secret, 0.5))
+                if st is not None and st.get("role") in ("entry", "stage", "standby"):
+                    pending.discard(sid)
+            if pending and time.time() > deadline:
+                raise TimeoutError(f"ring not up after {timeout}s; waiting for {sorted(pending)} (logs in {self.log_dir})")
+            if pending:
+                time.sleep(0.2)
+
+    def signal(self, slot: str, sig: int) -> None:
+        self.procs[slot].send_signal(sig)
+
+    def kill(self, slot: str) -> None:
+        p = self.procs[slot]
+        p.kill()
+        p.wait(10)
+
+    def exited(self) -> list[str]:
+        return [sid for sid, p in self.procs.items() if p.poll() is not None]
+
     def stop(self) -> None:
-        for p in self.procs:
+        for p in self.procs.values():
             if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGCONT)  # a stopped process cannot handle SIGTERM
+                except OSError:
+                    pass
                 p.send_signal(signal.SIGTERM)
-        for p in self.procs:
+        for p in self.procs.values():
             try:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
-        self.procs = []
+                p.wait(5)
+        self.procs = {}
 
     def __enter__(self) -> "LocalRing":
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         self.stop()
-        if self._tmp:
-            self._tmp.cleanup()
+        if exc_type is not None:
+            self.failed = True
+        if self._tmp and not self.failed:
+            shutil.rmtree(self._tmp, ignore_errors=True)
 
-    async def client(self) -> Client:
+    async def client(self, *, resume: bool = True) -> Client:
+        if resume:
+            return await Client.for_topology(self.topo, self.secret)
         h, p = self.entry_addr
         return await Client.connect(h, p, self.secret)
+
+    async def statuses(self) -> dict[str, dict | None]:
+        """The status of the process started on each slot (None: not answering)."""
+        slots = list(self.procs)
+        res = await asyncio.gather(*(probe(self.address(s), self.secret, 1.0) for s in slots))
+        return dict(zip(slots, res))
+
+    async def state(self) -> dict:
+        """The `--state` document: which process serves which slot now, in ring order, standbys last."""
+        sts = await self.statuses()
+        nodes, entry = [], None
+        for started_on, st in sts.items():
+            p = self.procs[started_on]
+            alive = p.poll() is None
+            if st is None:
+                role, slot = ("unreachable" if alive else "dead"), started_on
+            else:
+                role, slot = st.get("role"), st.get("slot")
+            h, port = self.address(started_on)
+            if role == "entry":
+                entry = f"{h}:{port}"
+            nodes.append({"slot": slot, "role": role, "pid": p.pid, "address": f"{h}:{port}", "started_on": started_on})
+        order = {s.id: i for i, s in enumerate(self.topo.slots)}
+        rank = {"entry": 0, "stage": 0, "loading": 0, "standby": 1}
+        nodes.sort(key=lambda n: (rank.get(n["role"], 2), order.get(n["slot"], 99)))
+        return {"topology": str(self.topology), "secret_file": str(self.topology.parent / "secret"), "entry": entry,
+                "api": None, "logs": str(self.log_dir), "nodes": nodes}
+
+
+def write_state(path: str | Path, doc: dict) -> None:
+    """Write atomically (readers never see half a file)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 def score_on_ring(model_dir, tokens: list[int], nodes: int, incremental: bool = False, dtype: str = "float32"):

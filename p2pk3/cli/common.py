@@ -1,0 +1,48 @@
+"""Shared pieces of the commands: model directories, the error type, the async runner."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+MODEL_HELP = "model directory (HF layout); default: the embedded tiny K3"
+DTYPES = ["float32", "bfloat16"]
+
+
+class UserError(click.ClickException):
+    """A mistake of the user's, said in one line (exit 1)."""
+
+
+def model_dir(model: str | None, param: str = "--model") -> Path:
+    from p2pk3.engine.reference import default_model_dir
+    p = Path(model) if model else default_model_dir()
+    if not p.is_dir():
+        raise click.BadParameter(f"{p}: no such directory", param_hint=param)
+    if not (p / "config.json").exists():
+        raise click.BadParameter(f"{p}: no config.json here (not a model directory)", param_hint=param)
+    return p
+
+
+def topology_model_dir(topo) -> Path:
+    if not topo.model.path:
+        raise UserError("the topology's [model] has no path: set `path = \"/models/...\"` in its [model] table "
+                        "(see docs/topology.md)")
+    return model_dir(str(topo.resolve(topo.model.path)), "[model] path")
+
+
+def check_writable(path: str | None, param: str) -> None:
+    """Fail before any work when a file cannot be written where asked."""
+    if path is None:
+        return
+    parent = Path(path).expanduser().resolve().parent
+    if not parent.is_dir():
+        raise click.BadParameter(f"folder {parent} does not exist", param_hint=param)
+
+
+def run_async(coro):
+    import asyncio
+    try:
+        import uvloop
+        return uvloop.run(coro)
+    except ImportError:  # pragma: no cover
+        return asyncio.run(coro)

@@ -1,0 +1,198 @@
+"""Commands that run daemons: `node` (one daemon of a ring), `local` (a whole ring on loopback)."""
+from __future__ import annotations
+
+import click
+
+from . import main
+from .common import DTYPES, MODEL_HELP, UserError, model_dir, run_async, topology_model_dir
+
+
+def _stop_on_signals(stop):
+    import asyncio
+    import signal
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        loop.add_signal_handler(sig, stop)
+
+
+@main.command()
+@click.option("--topology", "topology_path", required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--slot", help="the slot this daemon claims")
+@click.option("--standby", is_flag=True, help="run as a hot spare on a standby slot (takes over a dead slot)")
+@click.option("--host", default=None, help="listen address (default: the slot's host, else 0.0.0.0)")
+@click.option("--port", type=click.IntRange(0, 65535), default=None)
+@click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
+@click.option("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+@click.option("--max-sessions", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--cache-tokens", type=click.IntRange(min=64), default=32768, show_default=True,
+              help="MLA cache tokens over all sessions")
+@click.option("--discovery/--no-discovery", default=True, show_default=True, help="UDP beacons on the LAN")
+@click.option("--advertise-host", default=None, help="address peers should dial (default: --host)")
+@click.option("--heartbeat", type=click.FloatRange(min=0.05), default=0.5, show_default=True,
+              help="failure detector ping period, seconds")
+@click.option("--dead-after", type=click.FloatRange(min=0.2), default=2.5, show_default=True,
+              help="a peer that has not answered for this many seconds is dead")
+@click.option("--drop-beacons", is_flag=True, hidden=True, help="fault injection: received beacons are lost")
+@click.option("-v", "--verbose", count=True)
+def node(topology_path, slot, standby, host, port, dtype, device, max_sessions, cache_tokens, discovery,
+         advertise_host, heartbeat, dead_after, drop_beacons, verbose):
+    """Run one node daemon of the ring."""
+    import asyncio
+    import logging
+
+    import torch
+
+    from p2pk3.node.claims import ClaimRefused
+    from p2pk3.node.daemon import NodeDaemon
+    from p2pk3.node.options import NodeOptions
+    from p2pk3.topology import Topology
+
+    from .run import _check_device
+
+    logging.basicConfig(level=logging.DEBUG if verbose > 1 else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    topo = Topology.load(topology_path)
+    if standby and not slot:
+        if not topo.standby:
+            raise click.UsageError(f"{topology_path} has no standby slots")
+        slot = topo.standby[0].id
+    if not slot:
+        raise click.UsageError("give --slot ID, or --standby to run as a spare")
+    known = [x.id for x in topo.slots]
+    if slot not in known:
+        raise click.BadParameter(f"unknown slot {slot!r} in {topology_path} (slots: {', '.join(known)})",
+                                 param_hint="--slot")
+    if standby and not topo.slot(slot).standby:
+        raise click.BadParameter(f"slot {slot} is not a standby slot", param_hint="--slot")
+    secret = topo.secret()
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    _check_device(device)
+    opts = NodeOptions(host=host or topo.slot(slot).host or "0.0.0.0", port=port, dtype=dtype, device=device,
+                       max_sessions=max_sessions, cache_tokens=cache_tokens, discovery=discovery,
+                       advertise_host=advertise_host, heartbeat_s=heartbeat, dead_after_s=dead_after,
+                       drop_beacons=drop_beacons)
+    d = NodeDaemon(topo, slot, model_dir=topology_model_dir(topo), secret=secret, options=opts)
+
+    async def run_daemon():
+        _stop_on_signals(lambda: asyncio.ensure_future(d.stop("signal")))
+        try:
+            await d.start()
+        except ClaimRefused as e:
+            raise UserError(f"cannot claim slot {slot}: {e}") from None
+        except OSError as e:
+            if e.errno == 98:
+                raise UserError(f"slot {slot}: port {d.port} on {d.host} is already in use (another node or program "
+                                f"holds it; see `ss -ltnp | grep {d.port}`)") from None
+            raise
+        click.echo(f"node {d.node_id}: slot {slot} up on {d.host}:{d.port} ({d.role})", err=True)
+        await d.stopped.wait()
+        click.echo(f"node {d.node_id}: stopped ({d.stop_reason})", err=True)
+
+    run_async(run_daemon())
+
+
+@main.command()
+@click.option("--model", help=MODEL_HELP)
+@click.option("--nodes", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--standby", type=click.IntRange(min=0), default=0, show_default=True,
+              help="hot spares that take over a node that dies")
+@click.option("--state", "state_file", type=click.Path(dir_okay=False), default=None,
+              help="write the ring's state (JSON: topology, secret, entry, nodes with pid/slot/role) here, "
+                   "rewritten atomically when a takeover changes it")
+@click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
+@click.option("--prompt", default=None, help="generate once for this prompt, print it with the ring's statistics, and stop")
+@click.option("--max-tokens", type=click.IntRange(min=0), default=48, show_default=True, help="tokens to generate")
+def local(model, nodes, standby, state_file, dtype, prompt, max_tokens):
+    """Start N daemons (and S standbys) on loopback as one ring; Ctrl-C, SIGTERM or SIGHUP stops them.
+
+    To watch the ring survive a failure, start it with a spare and a state file, then kill a node:
+
+      p2pk3 local --nodes 4 --standby 1 --state /tmp/ring.json &
+      kill -9 $(jq '.nodes[1].pid' /tmp/ring.json)    # a middle stage dies; the spare takes over
+      jq .nodes /tmp/ring.json                        # the spare now serves that slot
+    """
+    import signal
+    import time
+
+    from p2pk3.model.config import K3Config
+    from p2pk3.node.local import LocalRing, write_state
+
+    from .common import check_writable
+
+    mdir = model_dir(model)
+    check_writable(state_file, "--state")
+    L = K3Config.from_pretrained(mdir).num_hidden_layers
+    if nodes > L:
+        raise click.BadParameter(f"{nodes} nodes but the model has only {L} layers (one node per layer at most)",
+                                 param_hint="--nodes")
+    ring = LocalRing(mdir, nodes, dtype=dtype, standby=standby)
+    click.echo(f"starting {nodes} daemons{f' and {standby} standbys' if standby else ''} for {mdir} ...")
+    stopping = []
+
+    def on_signal(signum, frame):
+        stopping.append(signum)
+        raise KeyboardInterrupt
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        with ring:
+            h, p = ring.entry_addr
+            click.echo(f"ring up: entry {h}:{p}; topology {ring.topology}; logs in {ring.log_dir}")
+            for s in ring.topo.slots:
+                what = "standby" if s.standby else f"layers {s.layers[0]}..{s.layers[1]}"
+                click.echo(f"  slot {s.id}: {what} at {s.host}:{s.port}")
+            if prompt is not None:
+                _generate_and_print(ring, mdir, prompt, max_tokens)
+                return
+            click.echo("Ctrl-C to stop.")
+            last = None
+            while True:
+                doc = run_async(ring.state()) if state_file else None
+                if doc is not None and doc != last:
+                    write_state(state_file, doc)
+                    last = doc
+                if len(ring.exited()) == len(ring.procs):
+                    raise UserError(f"every daemon exited; logs in {ring.log_dir}")
+                time.sleep(0.5)
+    except KeyboardInterrupt:
+        click.echo("stopping ...")
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        if ring.failed or ring.exited():
+            ring.failed = True
+            click.echo(f"logs kept in {ring.log_dir}", err=True)
+
+
+def _generate_and_print(ring, mdir, prompt, max_tokens, temperature=0.0, seed=None):
+    from p2pk3.node.local import probe
+    from p2pk3.params import SamplingParams
+    from p2pk3.tokenizer import load_tokenizer
+
+    from .run import prompt_ids
+
+    tok = load_tokenizer(mdir)
+    ids = prompt_ids(tok, prompt, raw=False)
+    params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens, stop_ids=tuple(sorted(tok.eos_ids)))
+    click.echo(f"> {prompt}")
+
+    async def go():
+        import asyncio
+        c = await ring.client()
+        try:
+            reply = await c.generate(ids, params)
+        finally:
+            c.close()
+        stages = await asyncio.gather(*(probe(ring.address(s.id), ring.secret) for s in ring.topo.active))
+        return reply, [s for s in stages if s]
+
+    r, stages = run_async(go())
+    click.echo(tok.decode([t for t in r.tokens if t not in tok.eos_ids]).strip())
+    st = r.stats
+    tps = st.get("decode_tokens_per_s")
+    click.echo(f"[ring of {len(stages)} nodes: {st.get('prompt_tokens', len(ids))} prompt + {len(r.tokens)} generated "
+               f"tokens; time to first token {1000 * (st.get('ttft_s') or 0):.0f} ms; "
+               f"decode {tps or 0:.1f} tok/s; total {st.get('total_s', 0):.2f} s]")
+    for s in stages:
+        click.echo(f"  stage {s['slot']}: {s['batches']} batches, {s['tokens']} tokens, "
+                   f"{1000 * s['busy_s']:.0f} ms compute")

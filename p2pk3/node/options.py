@@ -1,0 +1,29 @@
+"""`NodeOptions`: every tunable of a daemon in one place (the CLI fills it from `p2pk3 node` flags)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class NodeOptions:
+    host: str = "127.0.0.1"  # listen address
+    port: int | None = None  # None: the slot's port from the topology (0: any free port)
+    node_id: str | None = None  # default: "<slot>@<hostname>:<pid>"
+    advertise_host: str | None = None  # the address peers dial (default: host)
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_sessions: int = 32  # sessions held at once (KDA state rows)
+    cache_tokens: int = 32768  # MLA cache tokens over all sessions
+    max_batch_tokens: int = 2048  # tokens in one stage batch
+    prefill_chunk: int = 256  # the entry cuts prompts into chunks of at most this many tokens
+    discovery: bool = False  # UDP beacons
+    claim_wait: float = 1.5  # seconds of listening to beacons before claiming
+    # failure handling (docs/architecture.md, "Failure handling")
+    heartbeat_s: float = 0.5  # ping period of the failure detector
+    dead_after_s: float = 2.5  # no pong for this long: the peer is dead (detection <= heartbeat_s + dead_after_s)
+    dial_deadline_s: float = 10.0  # how long a ring link keeps re-dialling before it gives up
+    send_timeout_s: float = 10.0  # a frame the successor does not take within this is a dead link
+    unit_timeout_s: float = 120.0  # a request unit with no answer from the ring for this long fails
+    startup_grace_s: float = 15.0  # a slot never seen up is taken over only after this long
+    # fault injection (tests; the hooks sit in the production receive paths)
+    drop_beacons: bool = False
