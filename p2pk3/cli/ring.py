@@ -33,9 +33,11 @@ def _stop_on_signals(stop):
 @click.option("--dead-after", type=click.FloatRange(min=0.2), default=2.5, show_default=True,
               help="a peer that has not answered for this many seconds is dead")
 @click.option("--drop-beacons", is_flag=True, hidden=True, help="fault injection: received beacons are lost")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
+              help="serve Prometheus metrics on http://HOST:PORT/metrics (off by default)")
 @click.option("-v", "--verbose", count=True)
 def node(topology_path, slot, standby, host, port, dtype, device, max_sessions, cache_tokens, discovery,
-         advertise_host, heartbeat, dead_after, drop_beacons, verbose):
+         advertise_host, heartbeat, dead_after, drop_beacons, verbose, metrics_port):
     """Run one node daemon of the ring."""
     import asyncio
     import logging
@@ -85,6 +87,14 @@ def node(topology_path, slot, standby, host, port, dtype, device, max_sessions, 
                                 f"holds it; see `ss -ltnp | grep {d.port}`)") from None
             raise
         click.echo(f"node {d.node_id}: slot {slot} up on {d.host}:{d.port} ({d.role})", err=True)
+        if metrics_port is not None:
+            from p2pk3.node.metrics import start_metrics
+            try:
+                m = start_metrics(d, metrics_port, host=d.host)
+            except OSError as e:
+                await d.stop("metrics port unavailable")
+                raise UserError(f"--metrics-port {metrics_port}: {e.strerror or e}") from None
+            click.echo(f"node {d.node_id}: metrics on http://{d.host}:{m.port}/metrics", err=True)
         await d.stopped.wait()
         click.echo(f"node {d.node_id}: stopped ({d.stop_reason})", err=True)
 

@@ -86,6 +86,8 @@ def sampling_options(f):
 
 def prompt_ids(tok, prompt: str, raw: bool) -> list[int]:
     """What the model sees: with --raw the text after the model's BOS token, else the chat template."""
+    if not prompt.strip():
+        raise click.BadParameter("the prompt is empty", param_hint="--prompt")
     if raw:
         ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(prompt)
     else:

@@ -57,9 +57,20 @@ def topology_init(model, nodes, standby, host, base_port, split, gpu_memory_gb, 
     if out:
         Path(out).write_text(text)
         secret = Path(out).resolve().parent / "secret"
-        click.echo(f"wrote {out}; create the cluster secret next to it: p2pk3 secret --out {secret}")
+        if secret.exists():
+            click.echo(f"wrote {out}; it uses the existing cluster secret {secret}")
+        else:
+            _write_secret(secret)
+            click.echo(f"wrote {out} and a new cluster secret {secret} (copy both to every host)")
     else:
         click.echo(text)
+
+
+def _write_secret(p: Path) -> None:
+    from p2pk3.topology import generate_secret
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(generate_secret() + "\n")
 
 
 @main.command()
@@ -69,15 +80,12 @@ def secret(out):
     """A new random cluster secret (64 hex digits) for a topology's `secret_file`."""
     from p2pk3.topology import generate_secret
 
-    s = generate_secret()
     if out is None:
-        click.echo(s)
+        click.echo(generate_secret())
         return
     check_writable(out, "--out")
     p = Path(out)
     if p.exists():
         raise UserError(f"{p} exists; remove it first to make a new secret (every node must use the same one)")
-    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(s + "\n")
+    _write_secret(p)
     click.echo(f"wrote a new cluster secret to {p}")

@@ -87,7 +87,7 @@ class NodeDaemon:
             "forward": self._on_forward, "result": self._on_result, "free": self._on_free, "ping": self._on_ping,
             "status": self._on_status, "claim": self._on_claim, "generate": self._on_generate,
             "cancel": self._on_cancel, "route": self._on_route_frame, "takeover": self._on_takeover,
-            "retain": self._on_retain,
+            "retain": self._on_retain, "file_list": self._on_file_list, "file_get": self._on_file_get,
         }
 
     @property
@@ -127,6 +127,8 @@ class NodeDaemon:
         o = self.opts
         self.plan = self.topo.slot_plan(self.topo.slot(slot_id), self.cfg)
         plan = model_plan(self.plan, self.cfg)
+        from p2pk3.deploy.integrity import check_slot  # the shards against the manifest (IntegrityError stops us)
+        await loop.run_in_executor(self._executor, check_slot, self.model_dir, self.cfg, self.plan)
         stage = await loop.run_in_executor(self._executor, load_stage, self.model_dir, plan, o.dtype, o.device,
                                            self.cfg)
         self.runner = StageRunner(stage, stage.new_cache(o.max_sessions, o.cache_tokens))
@@ -311,6 +313,8 @@ class NodeDaemon:
         log.warning("taking over slot %s (replacing %s)", slot_id, replaces)
         self.role = "loading"
         try:
+            from p2pk3.deploy.peers import fetch_missing_for_slot
+            await fetch_missing_for_slot(self, slot_id)  # shards this spare lacks, from the other nodes
             await self._load(slot_id)
             await self._claim_slot(slot_id, replaces)
         except BaseException:
@@ -418,6 +422,9 @@ class NodeDaemon:
         await conn.send(status_frame(**self.public_stats()))
 
     async def _on_claim(self, conn, f, reqs) -> None:
+        slot = f.header.get("slot")
+        if isinstance(slot, str) and not any(s.id == slot for s in self.topo.slots):  # nor the claim table
+            raise ProtocolError(f"claim for slot {slot[:64]!r}, which is not in the topology")
         reply = handle_claim(self.claims, f, peer_id=conn.peer_id)
         if reply is not None:
             await conn.send(reply)
@@ -441,12 +448,22 @@ class NodeDaemon:
 
     async def _on_route_frame(self, conn, f, reqs) -> None:
         r = parse_route(f)
+        if not any(s.id == r.slot for s in self.topo.slots):  # the route table must not grow without bound
+            raise ProtocolError(f"route for slot {r.slot[:64]!r}, which is not in the topology")
         if r.slot == self.slot_id and r.node != self.node_id and self.claim and r.epoch > self.claim.epoch:
             log.error("slot %s was taken over by %s at epoch %d (ours: %d): this node steps down",
                       r.slot, r.node, r.epoch, self.claim.epoch)
             asyncio.get_running_loop().call_later(0, lambda: asyncio.ensure_future(
                 self.stop(f"slot {r.slot} was taken over by node {r.node} (epoch {r.epoch})")))
         self.routes.announce(r)
+
+    async def _on_file_list(self, conn, f, reqs) -> None:
+        from p2pk3.deploy.peers import handle_file_list  # files of the manifest, for peers (deploy/peers.py)
+        await handle_file_list(self, conn, f)
+
+    async def _on_file_get(self, conn, f, reqs) -> None:
+        from p2pk3.deploy.peers import handle_file_get  # one chunk of a manifest file, rate-limited
+        await handle_file_get(self, conn, f)
 
     async def _on_takeover(self, conn, f, reqs) -> None:
         slot, replaces = parse_takeover(f)

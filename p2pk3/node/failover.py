@@ -98,8 +98,17 @@ class Coordinator:
         self._wake.set()
 
     def health(self) -> tuple[str, str] | None:
+        """None when a request can be served now, else (ErrorCode, reason). A slot that has never answered
+        (its node not started, a wrong address) refuses requests at once rather than letting them wait."""
         if self.unavailable:
             return ErrorCode.UNAVAILABLE, self.unavailable
+        m = self.d.monitor
+        if m is not None and (self.d.entry is None or not self.d.entry.paused):
+            for s in self.d.topo.active:
+                ps = m.state(s.id)
+                if s.id != self.d.slot_id and ps is not None and ps.state == DOWN:
+                    return ErrorCode.UNAVAILABLE, (f"slot {s.id} is not reachable ({ps.reason}); start its node "
+                                                   f"(`p2pk3 node --topology ... --slot {s.id}`)")
         return None
 
     def _live_standbys(self) -> list[str]:

@@ -179,7 +179,7 @@ class LocalRing:
 
     def __exit__(self, exc_type, *exc) -> None:
         self.stop()
-        if exc_type is not None:
+        if exc_type is not None and not issubclass(exc_type, KeyboardInterrupt):  # Ctrl-C / SIGTERM: a normal end
             self.failed = True
         if self._tmp and not self.failed:
             shutil.rmtree(self._tmp, ignore_errors=True)

@@ -134,6 +134,11 @@ class Topology:
         except FileNotFoundError:
             raise TopologyError(f"secret file {p} does not exist (create one with `p2pk3 secret --out {p}`)",
                                 self.source) from None
+        except IsADirectoryError:
+            raise TopologyError(f"secret_file {p} is a folder, not a file (point secret_file at the file "
+                                f"`p2pk3 secret --out` wrote)", self.source) from None
+        except PermissionError:
+            raise TopologyError(f"secret file {p} is not readable by this user", self.source) from None
         if len(data) < 16:
             raise TopologyError(f"secret file {p} holds {len(data)} bytes; use at least 16 random bytes "
                                 f"(`p2pk3 secret --out {p}` writes 64 hex characters)", self.source)
