@@ -1,4 +1,5 @@
 """Train a small model of exactly the Kimi K3 architecture on CPU and export it in the K3 checkpoint layout.
+(One script over 500 lines: corpus, tokenizer, training loop and export are the steps of one reproducible run.)
 
     python -m tools.train_tiny --minutes 20 --run runs/tiny-k3-pydoc --export p2pk3/assets/tiny-k3-pydoc
 

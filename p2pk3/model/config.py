@@ -1,4 +1,6 @@
 """Model configuration: parse the published `config.json` of Kimi K3 / Kimi Linear, plus presets.
+(One module over 500 lines: K3Config, its parser and the presets built from it are one definition of the
+model's shape, and the presets double as the parser's test vectors.)
 
 Facts and their sources are in `shared/spec/kimi-k3-architecture.md` (section 1.1 for K3, section 8 for
 Kimi-Linear-48B-A3B). Layer lists in the checkpoint are **1-indexed**; everything in this package is

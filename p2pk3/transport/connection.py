@@ -1,4 +1,6 @@
 """Authenticated frame connections over TCP (asyncio; works with the default loop and uvloop).
+(Over 500 lines as one module: the handshake, the zero-copy send path and the buffered receive protocol all
+drive the same Connection state — write readiness, the decoder's limits, close reasons.)
 
 Every connection starts with a mutual challenge-response on the cluster secret (docs/protocol.md, "Handshake"):
 
