@@ -114,6 +114,10 @@ class NetnsLab:
             subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
             self._bridge_created = False
 
+    def set_link(self, i: int, up: bool) -> None:
+        """Take host i's cable out (or put it back): its veth end on the bridge goes down / up."""
+        _ip("link", "set", f"p2k3{self.tag}h{i}"[:15], "up" if up else "down")
+
     # ---------------------------------------------------------------- running things inside
     def ns(self, i: int) -> str:
         return self.names[i]

@@ -88,3 +88,75 @@ def test_four_hosts_form_the_ring(tmp_path, ckpt, static):
         else:
             assert all("discovered node" in t for t in logs)
             assert all("claimed slot" in t for t in logs)
+
+
+RESUMING_CLIENT = r"""
+import asyncio, json, sys
+from p2pk3.node.client import Client
+from p2pk3.params import SamplingParams
+from p2pk3.topology import Topology
+topo, prompts, n = Topology.load(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
+async def main():
+    for attempt in range(240):  # the ring may still be forming
+        try:
+            c0 = await Client.for_topology(topo, timeout=1.0)
+            c0.close()
+            break
+        except Exception:
+            await asyncio.sleep(0.5)
+    first = asyncio.Event()
+    async def one(p):
+        c = await Client.for_topology(topo)
+        try:
+            return (await c.generate(p, SamplingParams(max_tokens=n), on_token=lambda t: first.set())).tokens
+        finally:
+            c.close()
+    tasks = [asyncio.create_task(one(p)) for p in prompts]
+    await first.wait()
+    print("STREAMING", flush=True)
+    print(json.dumps(await asyncio.gather(*tasks)), flush=True)
+asyncio.run(asyncio.wait_for(main(), 240))
+"""
+
+
+def test_link_down_on_a_netns_host_is_taken_over(tmp_path, ckpt):
+    """4 hosts + a standby host on a bridge; a middle host's cable is pulled mid-generation (no RST: only
+    the heartbeat notices); the standby takes its slot over and every session ends with the tokens of an
+    undisturbed run."""
+    require_netns()
+    n = 40
+    want = Pipeline.load(ckpt, 1, max_sessions=4, max_tokens=512).generate(PROMPTS, SamplingParams(max_tokens=n))
+    with NetnsLab(6) as lab:  # 0-3 ring, 4 standby, 5 the client
+        topo = even_split(TINY_K3, 4, host=None, model_path=str(ckpt), secret_file="secret", name="netns-fail",
+                          n_standby=1)
+        for i, s in enumerate(topo.slots):
+            s.host, s.port = lab.addr(i), PORT
+        (tmp_path / "secret").write_text(secrets.token_hex(32))
+        (tmp_path / "topology.toml").write_text(topo.dump())
+        procs = []
+        try:
+            for i, s in enumerate(topo.slots):
+                argv = [sys.executable, "-m", "p2pk3.cli", "node", "--topology", str(tmp_path / "topology.toml"),
+                        "--slot", s.id, "--host", lab.addr(i), "--port", str(PORT), "--no-discovery"]
+                log = open(tmp_path / f"node{i}.log", "w")
+                procs.append(lab.popen(i, argv, stdout=log, stderr=subprocess.STDOUT, env={"OMP_NUM_THREADS": "1"}))
+            client = lab.popen(5, [sys.executable, "-c", RESUMING_CLIENT, str(tmp_path / "topology.toml"),
+                                   json.dumps(PROMPTS), str(n)])
+            line = client.stdout.readline()
+            assert line.strip() == "STREAMING", line + client.stderr.read()[-2000:]
+            lab.set_link(2, False)
+            out, err = client.communicate(timeout=240)
+            logs = "\n".join((tmp_path / f"node{i}.log").read_text()[-1500:] for i in range(5))
+            assert client.returncode == 0, err[-2000:] + logs
+            assert json.loads(out.strip().splitlines()[-1]) == want
+            entry_log = (tmp_path / "node0.log").read_text()
+            assert "slot s2 is dead (no answer for" in entry_log, entry_log[-2000:]
+            assert "slot s2 now served by s4@" in entry_log, entry_log[-2000:]
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
