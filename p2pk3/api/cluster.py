@@ -1,0 +1,64 @@
+"""The API server's side of the cluster: `Cluster.generate` runs one request on the ring.
+
+A `Client` connection carries one request at a time, so every concurrent HTTP request gets its own
+connection (and the entry batches them). Connections whose request ended cleanly go back to a small pool
+of idle ones (saving a connect + handshake + entry probe per request); a connection whose request was
+cancelled or failed is closed. `Client.for_topology` finds whichever node holds the entry role now and
+resumes a request when the entry dies (a standby takes over)."""
+from __future__ import annotations
+
+from typing import Callable
+
+from p2pk3.node.client import Client, Reply, RequestError
+from p2pk3.params import SamplingParams
+
+from .errors import ApiError, from_cluster
+
+POOL_SIZE = 32
+
+
+class Cluster:
+    def __init__(self, topo, *, connect_timeout_s: float = 5.0, pool_size: int = POOL_SIZE):
+        self.topo = topo
+        self.secret = topo.secret()
+        self.connect_timeout_s = connect_timeout_s
+        self.pool_size = pool_size
+        self._idle: list[Client] = []
+
+    async def _client(self) -> Client:
+        while self._idle:
+            c = self._idle.pop()
+            if c.conn is not None and not c.conn.closed:
+                return c
+            c.close()
+        try:
+            return await Client.for_topology(self.topo, self.secret, node_id="api", timeout=self.connect_timeout_s)
+        except RequestError as e:
+            raise ApiError(503, f"no entry node of the cluster is reachable: {e.message}", type="service_unavailable",
+                           code="unavailable") from None
+
+    async def generate(self, prompt: list[int], params: SamplingParams,
+                       on_token: Callable[[int], None] | None = None) -> Reply:
+        """The reply; cluster errors become ApiError (busy 429, unavailable 503, ...). Cancelling the
+        awaiting task cancels the request in the ring."""
+        c = await self._client()
+        ok = False
+        try:
+            r = await c.generate(prompt, params, on_token=on_token)
+            ok = True
+            return r
+        except RequestError as e:
+            if e.code in ("busy", "bad_request"):
+                ok = True  # the connection is fine; the entry refused this request
+            raise from_cluster(e.code, e.message) from None
+        finally:
+            if ok and len(self._idle) < self.pool_size:
+                self._idle.append(c)
+            else:
+                c.close()
+
+    def close(self) -> None:
+        for c in self._idle:
+            c.close()
+        self._idle.clear()
+

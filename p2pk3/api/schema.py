@@ -1,0 +1,190 @@
+"""Validation of OpenAI request bodies (`/v1/chat/completions`, `/v1/completions`) into `GenRequest`.
+
+Every mistake is an `ApiError` 400 whose `param` names the field (`messages[1].role`, `temperature`, ...).
+Accepted: `model`, `messages` / `prompt`, `stream`, `stream_options.include_usage`, `max_tokens` /
+`max_completion_tokens`, `temperature` [0, 2], `top_p` (0, 1], `seed`, `stop` (string or list of up to 4),
+`n` (1 only), `user`; extensions as vLLM names them: `top_k`, `ignore_eos`. Fields that would change the
+output in a way this server does not implement (`logprobs`, `echo`, `suffix`, `best_of` > 1, non-zero
+penalties, `logit_bias`) are refused rather than ignored. Other unknown fields are ignored, as OpenAI does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import bad_param
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_STOPS = 4
+MAX_STOP_LEN = 256
+MAX_SEED = (1 << 63) - 1
+
+
+@dataclass
+class GenRequest:
+    kind: str  # "chat" | "completion"
+    model: str | None = None
+    messages: list[dict] | None = None  # chat: normalised messages (role, content: str, [name])
+    tools: list[dict] | None = None
+    prompt: str | list[int] | None = None  # completion: text, or token ids
+    stream: bool = False
+    include_usage: bool = False
+    max_tokens: int | None = None  # None: the model's generation_config default
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _opt(body: dict, key: str, check, what: str):
+    v = body.get(key)
+    if v is None:
+        return None
+    if not check(v):
+        raise bad_param(key, f"must be {what}, got {v!r}"[:300])
+    return v
+
+
+def _content(v: Any, where: str) -> str:
+    """A message's content: a string, or a list of text parts ({"type": "text", "text": ...})."""
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list):
+        out = []
+        for i, part in enumerate(v):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_param(f"{where}[{i}]", "only text parts are supported ({\"type\": \"text\", \"text\": ...})")
+            out.append(part["text"])
+        return "".join(out)
+    raise bad_param(where, f"must be a string or a list of text parts, got {type(v).__name__}")
+
+
+def _messages(v: Any) -> list[dict]:
+    if v is None:
+        raise bad_param("messages", "is required (a non-empty list of {role, content})")
+    if not isinstance(v, list) or not v:
+        raise bad_param("messages", "must be a non-empty list of {role, content}")
+    out = []
+    for i, m in enumerate(v):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_param(where, f"must be an object, got {type(m).__name__}")
+        role = m.get("role")
+        if not isinstance(role, str) or role not in ROLES:
+            raise bad_param(f"{where}.role", f"must be one of {', '.join(ROLES)}, got {role!r}"[:300])
+        content = m.get("content")
+        if content is None and not (role == "assistant" and m.get("tool_calls")):
+            raise bad_param(f"{where}.content", "is required")
+        msg = {"role": "system" if role == "developer" else role,
+               "content": "" if content is None else _content(content, f"{where}.content")}
+        name = m.get("name")
+        if name is not None:
+            if not isinstance(name, str):
+                raise bad_param(f"{where}.name", "must be a string")
+            msg["name"] = name
+        for k in ("tool_calls", "tool_call_id"):
+            if m.get(k) is not None:
+                msg[k] = m[k]
+        out.append(msg)
+    return out
+
+
+def _prompt(v: Any) -> str | list[int]:
+    if v is None:
+        raise bad_param("prompt", "is required (a string or a list of token ids)")
+    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+        v = v[0]  # a batch of one prompt
+    if isinstance(v, str):
+        if not v:
+            raise bad_param("prompt", "is empty")
+        return v
+    if isinstance(v, list) and v and all(_is_int(t) and t >= 0 for t in v):
+        return list(v)
+    if isinstance(v, list) and len(v) > 1 and all(isinstance(t, (str, list)) for t in v):
+        raise bad_param("prompt", "one prompt per request (batches of prompts are not supported)")
+    raise bad_param("prompt", "must be a non-empty string or a non-empty list of token ids")
+
+
+def _stop(v: Any) -> list[str]:
+    if v is None:
+        return []
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad_param("stop", "must be a string or a list of strings")
+    if len(stops) > MAX_STOPS:
+        raise bad_param("stop", f"at most {MAX_STOPS} stop sequences, got {len(stops)}")
+    if any(not s or len(s) > MAX_STOP_LEN for s in stops):
+        raise bad_param("stop", f"stop sequences must be 1..{MAX_STOP_LEN} characters")
+    return list(dict.fromkeys(stops))
+
+
+def _refuse_unsupported(body: dict, kind: str) -> None:
+    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
+        raise bad_param("logprobs", "log probabilities are not supported by this server")
+    if kind == "completion":
+        if body.get("echo") not in (None, False):
+            raise bad_param("echo", "echo is not supported by this server")
+        if body.get("suffix") is not None:
+            raise bad_param("suffix", "suffix is not supported by this server")
+        if body.get("best_of") not in (None, 1):
+            raise bad_param("best_of", "only best_of = 1 is supported")
+    for k in ("presence_penalty", "frequency_penalty"):
+        v = body.get(k)
+        if v is not None and (not _is_num(v) or v != 0):
+            raise bad_param(k, "only 0 is supported (no penalties)")
+    if body.get("logit_bias"):
+        raise bad_param("logit_bias", "logit_bias is not supported by this server")
+
+
+def parse_request(body: Any, kind: str, max_tokens_limit: int) -> GenRequest:
+    """The validated request (kind "chat" or "completion"); raises ApiError 400 naming the field."""
+    if not isinstance(body, dict):
+        raise bad_param("body", f"the request body must be a JSON object, got {type(body).__name__}")
+    _refuse_unsupported(body, kind)
+    req = GenRequest(kind)
+    req.model = _opt(body, "model", lambda v: isinstance(v, str), "a string")
+    if kind == "chat":
+        req.messages = _messages(body.get("messages"))
+        tools = _opt(body, "tools", lambda v: isinstance(v, list) and all(isinstance(t, dict) for t in v),
+                     "a list of tool objects")
+        req.tools = tools or None
+    else:
+        req.prompt = _prompt(body.get("prompt"))
+    n = _opt(body, "n", _is_int, "an integer")
+    if n is not None and n != 1:
+        raise bad_param("n", f"only n = 1 is supported, got {n}")
+    req.stream = bool(_opt(body, "stream", lambda v: isinstance(v, bool), "true or false"))
+    so = _opt(body, "stream_options", lambda v: isinstance(v, dict), "an object")
+    if so is not None:
+        if not req.stream:
+            raise bad_param("stream_options", "is only allowed when stream is true")
+        iu = so.get("include_usage")
+        if iu is not None and not isinstance(iu, bool):
+            raise bad_param("stream_options.include_usage", "must be true or false")
+        req.include_usage = bool(iu)
+    keys = ["max_completion_tokens", "max_tokens"] if kind == "chat" else ["max_tokens"]
+    for k in keys:
+        v = _opt(body, k, _is_int, "an integer")
+        if v is not None:
+            if not 1 <= v <= max_tokens_limit:
+                raise bad_param(k, f"must be in [1, {max_tokens_limit}], got {v}")
+            req.max_tokens = v
+            break
+    req.temperature = _opt(body, "temperature", lambda v: _is_num(v) and 0 <= v <= 2, "a number in [0, 2]")
+    req.top_p = _opt(body, "top_p", lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]")
+    top_k = _opt(body, "top_k", lambda v: _is_int(v) and v >= -1, "an integer >= -1 (-1 or 0: off)")
+    req.top_k = None if top_k is None else max(top_k, 0)
+    req.seed = _opt(body, "seed", lambda v: _is_int(v) and 0 <= v <= MAX_SEED, f"an integer in [0, {MAX_SEED}]")
+    req.stop = _stop(body.get("stop"))
+    req.ignore_eos = bool(_opt(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false"))
+    return req

@@ -1,0 +1,71 @@
+"""Running the API server: `serve(...)` (what `p2pk3 serve` runs, on the uvloop loop) and the pieces it
+reads from the topology (tokenizer, model name, context length, API key)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+from pathlib import Path
+
+from aiohttp import web
+
+from .app import ApiConfig, create_app
+from .cluster import Cluster
+
+DEFAULT_CONTEXT = 1 << 20
+
+
+def read_api_key(path: str | Path) -> str:
+    """The key in `path` (whitespace stripped); ValueError for an empty or unreadable file."""
+    p = Path(path)
+    try:
+        key = p.read_text().strip()
+    except OSError as e:
+        raise ValueError(f"--api-key-file {p}: cannot read it ({e.strerror})") from None
+    if not key or any(c.isspace() for c in key):
+        raise ValueError(f"--api-key-file {p}: must hold one key (no spaces), found "
+                         f"{'nothing' if not key else 'whitespace inside'}")
+    return key
+
+
+def model_facts(model_dir: Path, topo) -> tuple[str, int]:
+    """(default model name, context length) of the topology's model."""
+    name = topo.model.repo or Path(model_dir).name
+    try:
+        ctx = int(json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
+                  or DEFAULT_CONTEXT)
+    except (OSError, ValueError, TypeError):
+        ctx = DEFAULT_CONTEXT
+    return name, ctx
+
+
+async def serve(topo, model_dir: Path, *, host: str, port: int, api_key: str | None, model_name: str | None,
+                ready=None) -> None:
+    """Serve until SIGINT / SIGTERM. `ready(url)` is called once the port listens."""
+    from p2pk3.tokenizer import ChatTokenizer
+
+    tok = ChatTokenizer.from_pretrained(model_dir)
+    default_name, ctx = model_facts(model_dir, topo)
+    cluster = Cluster(topo)
+    app = create_app(cluster, tok, ApiConfig(model_name or default_name, ctx, api_key))
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        site = web.TCPSite(runner, host, port, reuse_address=True)
+        await site.start()
+        url = f"http://{host}:{port}"
+        if ready is not None:
+            ready(url)
+        await stop.wait()
+    finally:
+        cluster.close()
+        await runner.cleanup()
+
+
+def log_ready(url: str) -> None:
+    print(f"p2pk3 API serving on {url}/v1 (metrics at {url}/metrics)", file=sys.stderr, flush=True)
