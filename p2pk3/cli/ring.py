@@ -112,7 +112,11 @@ def node(topology_path, slot, standby, host, port, dtype, device, max_sessions, 
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
 @click.option("--prompt", default=None, help="generate once for this prompt, print it with the ring's statistics, and stop")
 @click.option("--max-tokens", type=click.IntRange(min=0), default=48, show_default=True, help="tokens to generate")
-def local(model, nodes, standby, state_file, dtype, prompt, max_tokens):
+@click.option("--api", "api_addr", default=None, metavar="HOST:PORT",
+              help="also serve the OpenAI-compatible API there (p2pk3 serve beside the ring)")
+@click.option("--api-key-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="with --api: the bearer key clients must send")
+def local(model, nodes, standby, state_file, dtype, prompt, max_tokens, api_addr, api_key_file):
     """Start N daemons (and S standbys) on loopback as one ring; Ctrl-C, SIGTERM or SIGHUP stops them.
 
     To watch the ring survive a failure, start it with a spare and a state file, then kill a node:
@@ -131,6 +135,7 @@ def local(model, nodes, standby, state_file, dtype, prompt, max_tokens):
 
     mdir = model_dir(model)
     check_writable(state_file, "--state")
+    api_host, api_port = _host_port(api_addr, "--api") if api_addr else (None, None)
     L = K3Config.from_pretrained(mdir).num_hidden_layers
     if nodes > L:
         raise click.BadParameter(f"{nodes} nodes but the model has only {L} layers (one node per layer at most)",
@@ -144,10 +149,15 @@ def local(model, nodes, standby, state_file, dtype, prompt, max_tokens):
         raise KeyboardInterrupt
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
+    api = None
     try:
         with ring:
             h, p = ring.entry_addr
             click.echo(f"ring up: entry {h}:{p}; topology {ring.topology}; logs in {ring.log_dir}")
+            if api_addr:
+                from p2pk3.api import start_api_in_background
+                api = start_api_in_background(ring.topology, api_host, api_port, api_key_file)
+                click.echo(f"OpenAI-compatible API at {api.url} (log {api.log_path})")
             for s in ring.topo.slots:
                 what = "standby" if s.standby else f"layers {s.layers[0]}..{s.layers[1]}"
                 click.echo(f"  slot {s.id}: {what} at {s.host}:{s.port}")
@@ -158,6 +168,8 @@ def local(model, nodes, standby, state_file, dtype, prompt, max_tokens):
             last = None
             while True:
                 doc = run_async(ring.state()) if state_file else None
+                if doc is not None and api is not None:
+                    doc["api"] = api.url
                 if doc is not None and doc != last:
                     write_state(state_file, doc)
                     last = doc
@@ -167,11 +179,20 @@ def local(model, nodes, standby, state_file, dtype, prompt, max_tokens):
     except KeyboardInterrupt:
         click.echo("stopping ...")
     finally:
+        if api is not None:
+            api.stop()
         for s, h in old.items():
             signal.signal(s, h)
         if ring.failed or ring.exited():
             ring.failed = True
             click.echo(f"logs kept in {ring.log_dir}", err=True)
+
+
+def _host_port(text: str, param: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise click.BadParameter(f"expected HOST:PORT with a port in 1..65535, got {text!r}", param_hint=param)
+    return host or "127.0.0.1", int(port)
 
 
 def _generate_and_print(ring, mdir, prompt, max_tokens, temperature=0.0, seed=None):
