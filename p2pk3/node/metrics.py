@@ -8,8 +8,9 @@ reads the same numbers the `status` request answers (`NodeDaemon.public_stats()`
 event loop so they are consistent) plus the entry's heartbeat round trips to the other slots (hop
 latency). The one thing a snapshot cannot give, the batch latency histogram, is observed per batch by
 the worker's statistics object (`ObservedStats`, put in place of the worker's own at start; a task on the
-daemon's loop does it again within 0.5 s when a takeover gives the daemon a new worker). The HTTP server is prometheus-client's (a thread); only
-`memory_usage` is used by the daemon itself (its `status` carries it).
+daemon's loop does it again within 0.5 s when a takeover gives the daemon a new worker). The HTTP server
+is prometheus-client's (a thread); `handle.close()` is called on the daemon's loop. `memory_usage` is used
+by the daemon itself (its `status` carries it), so prometheus_client is imported only where it is used.
 """
 from __future__ import annotations
 
@@ -17,10 +18,6 @@ import asyncio
 import logging
 import os
 from dataclasses import asdict, dataclass
-
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
 
 from .worker import WorkerStats
 
@@ -74,7 +71,7 @@ def _observe(worker, histogram) -> None:
         worker.stats = ObservedStats(**asdict(worker.stats), histogram=histogram)
 
 
-class DaemonCollector(Collector):
+class DaemonCollector:
     """Reads the daemon's statistics at scrape time (on its event loop)."""
 
     def __init__(self, daemon, loop: asyncio.AbstractEventLoop, histogram, timeout_s: float = 2.0):
@@ -96,6 +93,7 @@ class DaemonCollector(Collector):
         return self._snapshot()
 
     def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
         try:
             snap = asyncio.run_coroutine_threadsafe(self._async_snapshot(), self.loop).result(self.timeout_s)
         except Exception as e:  # noqa: BLE001 - loop closed or too busy: an empty scrape, not a crash
@@ -148,7 +146,7 @@ class DaemonCollector(Collector):
 
 
 class MetricsHandle:
-    def __init__(self, server, thread, registry: CollectorRegistry, histogram, task: asyncio.Task):
+    def __init__(self, server, thread, registry, histogram, task: asyncio.Task):
         self.server, self.thread, self.registry, self.histogram = server, thread, registry, histogram
         self._task = task
 
@@ -166,6 +164,7 @@ class MetricsHandle:
 def start_metrics(daemon, port: int, host: str = "0.0.0.0") -> MetricsHandle:
     """Serve `daemon`'s metrics on http://host:port/metrics (port 0: any free port, see `handle.port`).
     Call from the daemon's event loop. OSError when the port is taken."""
+    from prometheus_client import CollectorRegistry, Histogram, start_http_server
     loop = asyncio.get_running_loop()
     registry = CollectorRegistry()
     histogram = Histogram("p2pk3_batch_seconds", "compute time per stage batch", buckets=BATCH_BUCKETS,

@@ -1,0 +1,100 @@
+"""`p2pk3 chat`: a conversation with a running cluster (p2pk3/frontends/repl.py does the work)."""
+from __future__ import annotations
+
+import logging
+
+import click
+
+from . import main
+from .common import MODEL_HELP, model_dir, topology_model_dir
+from .run import sampling_options
+
+
+def parse_address(s: str, param: str = "--connect") -> tuple[str, int]:
+    host, sep, port = s.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise click.BadParameter(f"{s!r} is not HOST:PORT (e.g. 127.0.0.1:47920)", param_hint=param)
+    return host, int(port)
+
+
+def read_secret_file(path: str, param: str = "--secret-file") -> bytes:
+    try:
+        data = open(path, "rb").read().strip()
+    except OSError as e:
+        raise click.BadParameter(f"cannot read {path}: {e.strerror or e}", param_hint=param) from None
+    if len(data) < 16:
+        raise click.BadParameter(f"{path} holds {len(data)} bytes; a cluster secret has at least 16",
+                                 param_hint=param)
+    return data
+
+
+@main.command()
+@click.option("--topology", "topology_path", type=click.Path(exists=True, dir_okay=False),
+              help="the cluster's topology: its entry is found, its secret and model used")
+@click.option("--connect", "address", help="HOST:PORT of the entry node (secret from --topology or --secret-file)")
+@click.option("--secret-file", type=click.Path(dir_okay=False), help="the cluster secret (with --connect)")
+@click.option("--local", "local_nodes", type=click.IntRange(min=1), default=None,
+              help="start a fresh local ring of N daemons for this chat (stopped at the end)")
+@click.option("--model", help=MODEL_HELP + " (with --local or --connect; else the topology's)")
+@click.option("--system", default=None, help="system prompt")
+@sampling_options
+@click.option("--history", "history_file", type=click.Path(dir_okay=False), default="~/.p2pk3_chat_history",
+              show_default=True, help="readline history file")
+@click.option("--no-history", is_flag=True, help="keep no history file")
+def chat(topology_path, address, secret_file, local_nodes, model, system, max_tokens, temperature, top_k, top_p,
+         seed, history_file, no_history):
+    """Chat with the cluster: answers stream as they are generated; /help lists the commands.
+
+    \b
+      p2pk3 chat --topology ring.toml
+      p2pk3 chat --connect 10.0.0.1:47920 --secret-file cluster.key
+      p2pk3 chat --local 2
+      printf 'What is a tuple?\\n' | p2pk3 chat --local 2      # scripted: one message per line
+    """
+    from p2pk3.frontends.repl import run_chat
+    from p2pk3.node.client import Client
+    from p2pk3.params import SamplingParams
+    from p2pk3.tokenizer import ChatTokenizer
+
+    logging.getLogger("p2pk3").addHandler(logging.NullHandler())  # errors are said in the chat, not logged
+    modes = [m for m, on in (("--topology", topology_path and not address), ("--connect", address),
+                             ("--local", local_nodes)) if on]
+    if len(modes) != 1:
+        raise click.UsageError("give one of --topology T, --connect HOST:PORT (with --topology or --secret-file), "
+                               "or --local N" + (f" (got {' and '.join(modes)})" if modes else ""))
+    if local_nodes and (topology_path or secret_file):
+        raise click.UsageError("--local starts its own ring: it takes no --topology or --secret-file")
+    if address and bool(topology_path) == bool(secret_file):
+        raise click.UsageError("--connect needs the secret from exactly one of --topology and --secret-file")
+    topo = None
+    if topology_path:
+        from p2pk3.topology import Topology
+        topo = Topology.load(topology_path)
+    mdir = model_dir(model) if (model or not topo) else topology_model_dir(topo)
+    tok = ChatTokenizer.from_pretrained(mdir)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max(1, max_tokens))
+    history = None if no_history else history_file
+    ring = None
+    if local_nodes:
+        from p2pk3.model.config import K3Config
+        from p2pk3.node.local import LocalRing
+        if local_nodes > K3Config.from_pretrained(mdir).num_hidden_layers:
+            raise click.BadParameter("more nodes than the model has layers", param_hint="--local")
+        click.echo(f"starting a local ring of {local_nodes} daemons ...", err=True)
+        ring = LocalRing(mdir, local_nodes).start()
+        factory = ring.client
+    elif address:
+        host, port = parse_address(address)
+        secret = read_secret_file(secret_file) if secret_file else topo.secret()
+        others = list(topo.static_addresses().values()) if topo else []
+        factory = lambda: Client.connect(host, port, secret, fallbacks=others)  # noqa: E731
+    else:
+        secret = topo.secret()
+        factory = lambda: Client.for_topology(topo, secret)  # noqa: E731
+    try:
+        run_chat(factory, tok, params, system=system, history_file=history,
+                 banner=f"p2pk3 chat with {mdir.name}: /help for commands, Ctrl-D to leave")
+    finally:
+        if ring is not None:
+            ring.__exit__(None, None, None)

@@ -1,0 +1,105 @@
+"""`p2pk3 dashboard`: a live view of the cluster (the data: p2pk3/frontends/cluster_view.py)."""
+from __future__ import annotations
+
+import json
+import logging
+
+import click
+
+from . import main
+from .common import run_async
+
+STATE_STYLE = {"up": "green", "loading": "yellow", "standby": "cyan", "moved": "dim", "dead": "bold red",
+               "unreachable": "red"}
+
+
+def _num(v, fmt: str = "{:.1f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def _memory(m: dict | None) -> str:
+    if not m or m.get("used") is None:
+        return "-"
+    gib = 1 << 30
+    total = f"/{m['total'] / gib:.1f}" if m.get("total") else ""
+    return f"{m['used'] / gib:.2f}{total} GiB"
+
+
+def render(snap: dict):
+    """The rich table of one snapshot."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    t, tot = snap["slots"], snap["totals"]
+    title = (f"{snap['cluster']}: {tot['up']}/{tot['nodes']} up · {_num(tot['tokens_per_s'])} tokens/s · "
+             f"{_num(tot['live_sessions'], '{}')} live sessions · entry {snap['entry'] or 'none'}")
+    notes = [f"{r['slot']}: {r['reason']}" for r in t if r["state"] not in ("up", "standby")]
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
+                  caption="\n".join(notes) or None, caption_justify="left")
+    for col, right in (("slot", False), ("node", False), ("state", False), ("layers", False), ("sess", True),
+                       ("queue", True), ("batch/s", True), ("tok/s", True), ("ms/batch", True), ("hop ms", True),
+                       ("memory", True)):
+        table.add_column(col, justify="right" if right else "left", no_wrap=True, overflow="ellipsis",
+                         min_width=min(len(col), 6))
+    for r in t:
+        state = Text(r["state"], style=STATE_STYLE.get(r["state"], ""))
+        layers = f"{r['layers'][0]}..{r['layers'][1]}" if r["layers"] else "-"
+        table.add_row(r["slot"] + (" (spare)" if r["standby_slot"] else ""), r["node"] or "-", state, layers,
+                      _num(r["sessions"], "{}"), _num(r["queue"], "{}"), _num(r["batches_per_s"]),
+                      _num(r["tokens_per_s"]), _num(r["compute_ms"], "{:.2f}"), _num(r["hop_ms"], "{:.2f}"),
+                      _memory(r["memory"]))
+    return table
+
+
+@main.command()
+@click.option("--topology", "topology_path", required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--once", is_flag=True, help="print one frame and exit")
+@click.option("--json", "as_json", is_flag=True, help="JSON instead of a table (one document per poll)")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
+              help="seconds between polls (rates are deltas between two polls)")
+@click.option("--timeout", type=click.FloatRange(min=0.05), default=1.0, show_default=True,
+              help="a node that does not answer a status probe within this many seconds is unreachable")
+def dashboard(topology_path, once, as_json, interval, timeout):
+    """Live view of the ring: each slot's node, state, layers, sessions, queue, rates, latencies, memory."""
+    import asyncio
+
+    from rich.console import Console
+    from rich.live import Live
+
+    from p2pk3.frontends.cluster_view import ClusterView
+    from p2pk3.topology import Topology
+
+    logging.getLogger("p2pk3").addHandler(logging.NullHandler())  # unreachable nodes are shown, not logged
+    topo = Topology.load(topology_path)
+    view = ClusterView(topo, topo.secret(), timeout=timeout)
+    console = Console()
+    if not console.is_terminal:  # piped: do not squeeze the table into 80 columns
+        console = Console(width=max(console.width, 160))
+
+    def show(snap):
+        if as_json:
+            click.echo(json.dumps(snap))
+        else:
+            console.print(render(snap))
+
+    async def go():
+        snap = await view.poll()
+        if once:  # a second poll, so that the frame has rates
+            await asyncio.sleep(min(interval, 1.0))
+            show(await view.poll())
+            return
+        if as_json:
+            while True:
+                show(snap)
+                await asyncio.sleep(interval)
+                snap = await view.poll()
+        with Live(render(snap), console=console, refresh_per_second=4) as live:
+            while True:
+                await asyncio.sleep(interval)
+                live.update(render(await view.poll()))
+
+    try:
+        run_async(go())
+    except KeyboardInterrupt:
+        pass

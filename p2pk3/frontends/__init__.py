@@ -1,0 +1,2 @@
+"""Front ends over the client library (`p2pk3.node.client`): the chat REPL (`repl.py`) and the data of
+the cluster dashboard (`cluster_view.py`). No click here: the commands in `p2pk3/cli/` wrap these."""

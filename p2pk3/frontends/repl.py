@@ -1,0 +1,320 @@
+"""The chat REPL: a conversation with the cluster, one turn at a time.
+
+    code = run_chat(client_factory, tokenizer, params=SamplingParams(max_tokens=256))
+
+`client_factory` is an async callable returning a connected `Client` (`ring.client`, or a lambda around
+`Client.for_topology(topo)`); it is called again after the connection to the entry was lost. Each turn
+renders the whole conversation with the checkpoint's chat template and streams the answer through the
+tokenizer's stream decoder (never half a UTF-8 character), then prints a one-line footer with the time
+to first token and the decode speed.
+
+On a terminal: readline history (saved in `history_file`), a line ending in `\\` continues on the next
+line, a `\"\"\"` line opens a block that the next `\"\"\"` line closes, Ctrl-C during an answer stops it
+(the request is cancelled in the ring, its caches freed) and keeps the REPL, Ctrl-C at the prompt drops
+the line, Ctrl-D quits. Without a terminal each input line is one message (or a slash command) and each
+answer is printed on its own line, footers go to stderr, so it can be scripted:
+
+    printf 'What is a list?\\n/quit\\n' | p2pk3 chat --topology ring.toml
+
+Slash commands: /reset, /system TEXT (no TEXT: no system prompt), /temp X, /max N, /stats, /help, /quit.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Awaitable, Callable, TextIO
+
+from p2pk3.node.client import RequestError
+from p2pk3.params import SamplingParams
+
+PROMPT, MORE = ">>> ", "... "
+BLOCK = '"""'
+HELP = """commands:
+  /reset          forget the conversation (the system prompt stays)
+  /system TEXT    set the system prompt (/system alone removes it)
+  /temp X         sampling temperature (0 = greedy)
+  /max N          most tokens per answer
+  /stats          the last answer's timings, this session's totals, the entry's status
+  /quit           leave (also Ctrl-D)
+a line ending in \\ continues on the next line; \"\"\" opens and closes a multi-line block;
+Ctrl-C stops an answer"""
+
+
+class CommandError(ValueError):
+    """A slash command used wrongly (said in one line; the REPL goes on)."""
+
+
+@dataclass
+class Conversation:
+    params: SamplingParams
+    system: str | None = None
+    messages: list[dict] = field(default_factory=list)
+    last: dict | None = None  # stats of the last answer
+    answers: int = 0
+    generated: int = 0
+    stopped: int = 0
+
+    def prompt(self, user: str) -> list[dict]:
+        sys_msg = [{"role": "system", "content": self.system}] if self.system else []
+        return [*sys_msg, *self.messages, {"role": "user", "content": user}]
+
+
+def command(conv: Conversation, line: str) -> str | None:
+    """Apply a slash command; returns the text to show, or None for /quit. Raises CommandError."""
+    name, _, arg = line.strip().partition(" ")
+    arg = arg.strip()
+    if name in ("/quit", "/exit"):
+        return None
+    if name == "/help":
+        return HELP
+    if name == "/reset":
+        n = len(conv.messages)
+        conv.messages.clear()
+        return f"[conversation reset: {n} messages forgotten]"
+    if name == "/system":
+        conv.system = arg or None
+        return f"[system prompt: {arg!r}]" if arg else "[no system prompt]"
+    if name == "/temp":
+        try:
+            t = float(arg)
+            if not math.isfinite(t):
+                raise ValueError
+            conv.params = replace(conv.params, temperature=t)
+        except ValueError:
+            raise CommandError(f"/temp takes a number >= 0, e.g. /temp 0.7 (got {arg!r})") from None
+        return f"[temperature {t:g}]"
+    if name == "/max":
+        try:
+            n = int(arg)
+            if n < 1:
+                raise ValueError
+        except ValueError:
+            raise CommandError(f"/max takes a whole number >= 1, e.g. /max 256 (got {arg!r})") from None
+        conv.params = replace(conv.params, max_tokens=n)
+        return f"[at most {n} tokens per answer]"
+    if name == "/stats":
+        return stats_text(conv)
+    raise CommandError(f"unknown command {name!r} (/help lists them)")
+
+
+def footer(stats: dict, n: int) -> str:
+    ttft, tps = stats.get("ttft_s"), stats.get("decode_tokens_per_s")
+    parts = [f"{n} tokens", f"time to first token {1000 * ttft:.0f} ms" if ttft is not None else "no token"]
+    if tps:
+        parts.append(f"{tps:.1f} tok/s")
+    return "[" + " · ".join(parts) + "]"
+
+
+def stats_text(conv: Conversation, status: dict | None = None) -> str:
+    p = conv.params
+    lines = [f"answers: {conv.answers} ({conv.stopped} stopped), tokens generated: {conv.generated}, "
+             f"messages in the conversation: {len(conv.messages)}",
+             f"sampling: temperature {p.temperature:g}, top_k {p.top_k}, top_p {p.top_p:g}, max {p.max_tokens} tokens"]
+    if conv.last:
+        s = conv.last
+        lines.append("last answer: " + footer(s, s.get("generated_tokens", 0))[1:-1]
+                     + f" · prompt {s.get('prompt_tokens', '?')} tokens · total {s.get('total_s') or 0:.2f} s")
+    if status:
+        lines.append(f"entry {status.get('slot')} ({status.get('node')}): {status.get('live_sessions', 0)} live "
+                     f"sessions, {status.get('finished', 0)} finished, {status.get('failed', 0)} failed, "
+                     f"{status.get('tokens', 0)} tokens computed")
+    return "\n".join(lines)
+
+
+class LineReader:
+    """Input lines: readline on a terminal (with continuation and blocks), plain lines otherwise."""
+
+    def __init__(self, stdin: TextIO, out: TextIO, interactive: bool, history_file: str | Path | None):
+        self.stdin, self.out, self.interactive = stdin, out, interactive
+        self.history_file = Path(history_file).expanduser() if history_file else None
+        self.readline = None
+        if interactive:
+            try:
+                import readline
+                self.readline = readline
+            except ImportError:  # pragma: no cover - no readline on this platform: plain input()
+                pass
+            if self.readline and self.history_file and self.history_file.exists():
+                try:
+                    self.readline.read_history_file(str(self.history_file))
+                except OSError:
+                    pass
+
+    def save_history(self) -> None:
+        if self.readline and self.history_file:
+            try:
+                self.history_file.parent.mkdir(parents=True, exist_ok=True)
+                self.readline.set_history_length(1000)
+                self.readline.write_history_file(str(self.history_file))
+            except OSError:
+                pass
+
+    def _line(self, prompt: str) -> str:
+        if self.interactive:
+            return input(prompt)  # EOFError on Ctrl-D, KeyboardInterrupt on Ctrl-C
+        line = self.stdin.readline()
+        if not line:
+            raise EOFError
+        return line.rstrip("\r\n")
+
+    def read(self) -> str:
+        """One message (possibly several lines). EOFError at the end of input."""
+        first = self._line(PROMPT)
+        if not self.interactive:
+            return first
+        if first.strip() == BLOCK:
+            lines = []
+            while (line := self._line(MORE)).strip() != BLOCK:
+                lines.append(line)
+            return "\n".join(lines)
+        lines = [first]
+        while lines[-1].endswith("\\"):
+            lines[-1] = lines[-1][:-1]
+            lines.append(self._line(MORE))
+        return "\n".join(lines)
+
+
+class Chat:
+    def __init__(self, client_factory: Callable[[], Awaitable], tokenizer, params: SamplingParams, *,
+                 system: str | None, out: TextIO, err: TextIO, interactive: bool):
+        self.factory, self.tok = client_factory, tokenizer
+        stops = tuple(dict.fromkeys([*params.stop_ids, *tokenizer.stop_ids]))
+        self.conv = Conversation(replace(params, stop_ids=stops), system)
+        self.out, self.err, self.interactive = out, err, interactive
+        self.client = None
+
+    def say(self, text: str, *, err: bool = False) -> None:
+        stream = self.err if err else self.out
+        stream.write(text + "\n")
+        stream.flush()
+
+    async def connect(self) -> None:
+        if self.client is None:
+            self.client = await self.factory()
+
+    async def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+    async def status(self) -> dict | None:
+        try:
+            await self.connect()
+            return await asyncio.wait_for(self.client.status(), 5.0)
+        except Exception:  # noqa: BLE001 - /stats shows what it can
+            return None
+
+    async def answer(self, user: str, got: list[int]) -> dict:
+        """Stream one answer; the tokens land in `got` as they arrive (kept when cancelled)."""
+        await self.connect()
+        ids = self.tok.apply_chat_template(self.conv.prompt(user), add_generation_prompt=True)
+        dec = self.tok.stream_decoder()
+        stops = set(self.conv.params.stop_ids)
+
+        def on_token(t: int) -> None:
+            got.append(t)
+            if t not in stops:
+                self.out.write(dec.push(t))
+                self.out.flush()
+
+        try:
+            reply = await self.client.generate(ids, self.conv.params, on_token=on_token)
+        finally:
+            self.out.write(dec.flush())
+            self.out.flush()
+        return reply.stats
+
+    def finish(self, user: str, got: list[int], stats: dict | None) -> None:
+        stops = set(self.conv.params.stop_ids)
+        text = self.tok.decode([t for t in got if t not in stops], skip_special=True)
+        self.conv.messages += [{"role": "user", "content": user}, {"role": "assistant", "content": text.strip()}]
+        self.conv.answers += 1
+        self.conv.generated += len(got)
+        self.out.write("\n")
+        if stats is None:
+            self.conv.stopped += 1
+            self.say(f"[stopped after {len(got)} tokens]", err=not self.interactive)
+        else:
+            self.conv.last = dict(stats, generated_tokens=len(got))
+            self.say(footer(stats, len(got)), err=not self.interactive)
+
+
+def run_chat(client_factory: Callable[[], Awaitable], tokenizer, params: SamplingParams | None = None, *,
+             system: str | None = None, stdin: TextIO | None = None, out: TextIO | None = None,
+             err: TextIO | None = None, interactive: bool | None = None,
+             history_file: str | Path | None = "~/.p2pk3_chat_history", banner: str | None = None) -> int:
+    """Run the REPL until /quit or the end of input; returns 0. ConnectionError when the cluster cannot be
+    reached at the start (later losses are reported and the next message reconnects). Must run in the main
+    thread (Ctrl-C stops an answer through SIGINT)."""
+    stdin, out, err = stdin or sys.stdin, out or sys.stdout, err or sys.stderr
+    if interactive is None:
+        interactive = stdin.isatty()
+    params = params or SamplingParams(max_tokens=tokenizer.generation_defaults.max_tokens(default=256))
+    chat = Chat(client_factory, tokenizer, params, system=system, out=out, err=err, interactive=interactive)
+    reader = LineReader(stdin, out, interactive, history_file if interactive else None)
+    try:
+        import uvloop
+        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
+    except ImportError:  # pragma: no cover
+        runner = asyncio.Runner()
+    with runner:
+        try:
+            runner.run(chat.connect())
+        except (RequestError, OSError, TimeoutError) as e:
+            raise ConnectionError(f"could not reach the cluster: {e}") from None
+        if banner and interactive:
+            chat.say(banner)
+        try:
+            return _loop(chat, reader, runner)
+        finally:
+            reader.save_history()
+            runner.run(chat.close())
+
+
+def _loop(chat: Chat, reader: LineReader, runner: asyncio.Runner) -> int:
+    while True:
+        try:
+            text = reader.read()
+        except EOFError:
+            if chat.interactive:
+                chat.say("")
+            return 0
+        except KeyboardInterrupt:  # at the prompt: drop the line
+            chat.say("")
+            continue
+        if not text.strip():
+            continue
+        if text.lstrip().startswith("/"):
+            try:
+                shown = command(chat.conv, text)
+            except CommandError as e:
+                chat.say(f"error: {e}", err=not chat.interactive)
+                continue
+            if shown is None:
+                return 0
+            if text.split()[0] == "/stats":
+                shown = stats_text(chat.conv, runner.run(chat.status()))
+            chat.say(shown, err=not chat.interactive)
+            continue
+        got: list[int] = []
+        t0 = time.monotonic()
+        try:
+            stats = runner.run(chat.answer(text, got))
+        except KeyboardInterrupt:
+            chat.out.write(" ^C")
+            chat.finish(text, got, None)
+            continue
+        except RequestError as e:
+            chat.say(f"\nerror: {e}", err=True)
+            if e.code == "connection_lost":
+                runner.run(chat.close())  # reconnect on the next message
+            continue
+        except (OSError, TimeoutError) as e:
+            chat.say(f"\nerror: the cluster did not answer ({e}) after {time.monotonic() - t0:.1f} s", err=True)
+            runner.run(chat.close())
+            continue
+        chat.finish(text, got, stats)

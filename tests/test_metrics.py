@@ -1,0 +1,80 @@
+"""Prometheus metrics of a daemon (`p2pk3 node --metrics-port`): scraped from a live 1-node ring."""
+import asyncio
+import socket
+import urllib.request
+
+import pytest
+
+from p2pk3.engine.reference import default_model_dir
+from p2pk3.node.local import LocalRing, free_ports
+from p2pk3.node.metrics import memory_usage, start_metrics
+from p2pk3.params import SamplingParams
+
+parser = pytest.importorskip("prometheus_client.parser")
+
+
+def scrape(port: int) -> dict[str, float]:
+    """sample name{labels} -> value (labels without slot/role, which are the same for every sample)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for fam in parser.text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = {k: v for k, v in s.labels.items() if k not in ("slot", "role")}
+            key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}" if labels else "")
+            out[key] = s.value
+    return out
+
+
+@pytest.fixture(scope="module")
+def ring():
+    port = free_ports(1)[0]
+    r = LocalRing(default_model_dir(), 1, extra_args=["--metrics-port", str(port)])
+    r.metrics_port = port
+    try:
+        r.start(timeout=120)
+        yield r
+    finally:
+        r.stop()
+        r.__exit__(None, None, None)
+
+
+def test_counters_move_with_a_request(ring):
+    before = scrape(ring.metrics_port)
+    assert before["p2pk3_tokens_total"] == 0 and before["p2pk3_batch_seconds_count"] == 0
+    assert before["p2pk3_live_sessions"] == 0 and before["p2pk3_errors_total{kind=batch}"] == 0
+    assert before["p2pk3_memory_used_bytes"] > 0 and before["p2pk3_memory_total_bytes"] > 0
+
+    async def go():
+        c = await ring.client()
+        try:
+            return await c.generate([1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=5))
+        finally:
+            c.close()
+    reply = asyncio.run(go())
+    after = scrape(ring.metrics_port)
+    assert after["p2pk3_tokens_total"] == 6 + len(reply.tokens) - 1  # the prompt, then one token per decode step
+    assert after["p2pk3_batches_total"] >= len(reply.tokens)
+    assert after["p2pk3_batch_seconds_count"] == after["p2pk3_batches_total"]
+    assert after["p2pk3_batch_seconds_sum"] > 0 and after["p2pk3_busy_seconds_total"] > 0
+    assert after["p2pk3_requests_finished_total"] == before["p2pk3_requests_finished_total"] + 1
+    assert after["p2pk3_sessions"] == 0 and after["p2pk3_queue_depth"] == 0
+
+
+def test_memory_usage_on_cpu():
+    m = memory_usage("cpu")
+    assert m["kind"] == "cpu" and 0 < m["used"] < m["total"]
+
+
+def test_a_taken_port_is_an_error():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    try:
+        async def go():
+            class Idle:  # a daemon that has not loaded a stage yet
+                worker = None
+            start_metrics(Idle(), s.getsockname()[1], host="127.0.0.1")
+        with pytest.raises(OSError):
+            asyncio.run(go())
+    finally:
+        s.close()
