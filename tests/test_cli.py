@@ -214,3 +214,25 @@ def test_local_owns_its_daemons_on_sigterm_and_cannot_be_shadowed(tmp_path):
             os.kill(pid, signal.SIGKILL)
             raise AssertionError(f"daemon {pid} outlived `p2pk3 local`")
     assert not workdir.exists()
+
+
+def test_readme_main_command_opens_the_chat_on_a_terminal_and_scripts_without_one():
+    """`p2pk3 local --nodes 4 --chat`: on a terminal the REPL (a question, a streamed answer, /quit);
+    without one, a single scripted exchange with the ring's statistics."""
+    pexpect = pytest.importorskip("pexpect")
+    child = pexpect.spawn(sys.executable, ["-m", "p2pk3.cli", "local", "--nodes", "2", "--chat"], encoding="utf-8",
+                          timeout=120, dimensions=(40, 160))
+    try:
+        child.expect("chat with the ring")
+        child.expect(r"> ")
+        child.sendline("What does the with statement do?")
+        child.expect(r"tok/s")  # the answer's footer
+        child.expect(r"> ")
+        child.sendline("/quit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0, child.before
+    r = _run(["local", "--nodes", "2", "--chat"], stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "> What does the with statement do?" in r.stdout and "[ring of 2 nodes:" in r.stdout

@@ -111,12 +111,15 @@ def node(topology_path, slot, standby, host, port, dtype, device, max_sessions, 
                    "rewritten atomically when a takeover changes it")
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
 @click.option("--prompt", default=None, help="generate once for this prompt, print it with the ring's statistics, and stop")
+@click.option("--chat", "open_chat", is_flag=True,
+              help="open the chat REPL on the ring (without a terminal: one scripted exchange with the ring's "
+                   "statistics), then stop")
 @click.option("--max-tokens", type=click.IntRange(min=0), default=48, show_default=True, help="tokens to generate")
 @click.option("--api", "api_addr", default=None, metavar="HOST:PORT",
               help="also serve the OpenAI-compatible API there (p2pk3 serve beside the ring)")
 @click.option("--api-key-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="with --api: the bearer key clients must send")
-def local(model, nodes, standby, state_file, dtype, prompt, max_tokens, api_addr, api_key_file):
+def local(model, nodes, standby, state_file, dtype, prompt, open_chat, max_tokens, api_addr, api_key_file):
     """Start N daemons (and S standbys) on loopback as one ring; Ctrl-C, SIGTERM or SIGHUP stops them.
 
     To watch the ring survive a failure, start it with a spare and a state file, then kill a node:
@@ -126,6 +129,7 @@ def local(model, nodes, standby, state_file, dtype, prompt, max_tokens, api_addr
       jq .nodes /tmp/ring.json                        # the spare now serves that slot
     """
     import signal
+    import sys
     import time
 
     from p2pk3.model.config import K3Config
@@ -161,6 +165,14 @@ def local(model, nodes, standby, state_file, dtype, prompt, max_tokens, api_addr
             for s in ring.topo.slots:
                 what = "standby" if s.standby else f"layers {s.layers[0]}..{s.layers[1]}"
                 click.echo(f"  slot {s.id}: {what} at {s.host}:{s.port}")
+            if open_chat and prompt is None and sys.stdin.isatty():
+                from p2pk3.frontends.repl import run_chat
+                from p2pk3.tokenizer import ChatTokenizer
+                click.echo("chat with the ring: /help for commands, /quit to stop")
+                run_chat(ring.client, ChatTokenizer.from_pretrained(mdir))
+                return
+            if open_chat and prompt is None:  # no terminal: one scripted exchange
+                prompt = SCRIPTED_QUESTION
             if prompt is not None:
                 _generate_and_print(ring, mdir, prompt, max_tokens)
                 return
@@ -186,6 +198,9 @@ def local(model, nodes, standby, state_file, dtype, prompt, max_tokens, api_addr
         if ring.failed or ring.exited():
             ring.failed = True
             click.echo(f"logs kept in {ring.log_dir}", err=True)
+
+
+SCRIPTED_QUESTION = "What does the with statement do?"
 
 
 def _host_port(text: str, param: str) -> tuple[str, int]:
