@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from . import attnres_ref, kda_ref, mla_decode_ref, mxfp4_moe_ref
+from . import attnres_ref, kda_ref, mla_decode_ref, mx_linear_ref, mxfp4_moe_ref
 
 _forced: str | None = None
 _triton_ok: bool | None = None
@@ -73,4 +73,5 @@ kda_decode = _pick("kda", "kda_decode", kda_ref.kda_decode)
 kda_prefill = _pick("kda", "kda_prefill", kda_ref.kda_prefill)
 mla_decode = _pick("mla_decode", "mla_decode", mla_decode_ref.mla_decode)
 mxfp4_moe = _pick("mxfp4_moe", "mxfp4_moe", mxfp4_moe_ref.mxfp4_moe)
+mx_linear = _pick("mx_linear", "mx_linear", mx_linear_ref.mx_linear)  # MXFP8 / MXFP4 dense weights (p2pk3.quant.formats)
 dense_moe = mxfp4_moe_ref.dense_moe  # unquantized experts (Kimi Linear): torch matmuls are already the fast path

@@ -8,8 +8,14 @@ from typing import Any
 
 # wire field -> accepted Python types (bool is never accepted as a number)
 _FIELDS: dict[str, tuple[type, ...]] = {"temperature": (int, float), "top_k": (int,), "top_p": (int, float),
-                                        "seed": (int, type(None)), "max_tokens": (int,), "stop_ids": (list, tuple)}
+                                        "seed": (int, type(None)), "max_tokens": (int,), "stop_ids": (list, tuple),
+                                        "speculate": (str,), "draft_tokens": (int,)}
 MAX_STOP_IDS = 64
+# Speculative decoding (p2pk3/spec): how the entry drafts tokens that the ring verifies in one pass. It never
+# changes the output (greedy and seeded sampling give the same tokens with and without it), only the speed.
+SPEC_METHODS = ("off", "ngram", "suffix")
+MAX_DRAFT = 16  # drafted tokens per pass at most (wire limit of a segment's `draft`)
+DEFAULT_DRAFT = 8
 
 
 @dataclass(frozen=True)
@@ -20,6 +26,8 @@ class SamplingParams:
     seed: int | None = None  # None with temperature > 0: the entry draws one
     max_tokens: int = 64  # generated tokens
     stop_ids: tuple[int, ...] = ()
+    speculate: str = "off"  # draft proposer at the entry: off | ngram (prompt lookup) | suffix (+ cluster index)
+    draft_tokens: int = DEFAULT_DRAFT  # most drafted tokens per pass (the entry adapts below it, 0 included)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -34,7 +42,20 @@ class SamplingParams:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if len(self.stop_ids) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS} stop ids, got {len(self.stop_ids)}")
+        if self.speculate not in SPEC_METHODS:
+            raise ValueError(f"speculate must be one of {', '.join(SPEC_METHODS)}, got {self.speculate!r}")
+        if not 0 <= self.draft_tokens <= MAX_DRAFT:
+            raise ValueError(f"draft_tokens must be in 0..{MAX_DRAFT}, got {self.draft_tokens}")
         object.__setattr__(self, "stop_ids", tuple(int(t) for t in self.stop_ids))
+
+    @property
+    def speculating(self) -> bool:
+        return self.speculate != "off" and self.draft_tokens > 0
+
+    def sampler(self) -> "SamplingParams":
+        """What the sampler needs (the speculation options dropped): the map a segment carries."""
+        return self if self.speculate == "off" and self.draft_tokens == DEFAULT_DRAFT else \
+            replace(self, speculate="off", draft_tokens=DEFAULT_DRAFT)
 
     def with_seed(self, seed: int) -> "SamplingParams":
         return replace(self, seed=seed)
@@ -42,6 +63,10 @@ class SamplingParams:
     def to_wire(self) -> dict[str, Any]:
         d = asdict(self)
         d["stop_ids"] = list(self.stop_ids)
+        if self.speculate == "off":  # the wire stays as it was without speculation
+            del d["speculate"]
+            if self.draft_tokens == DEFAULT_DRAFT:
+                del d["draft_tokens"]
         return d
 
     @classmethod

@@ -190,3 +190,33 @@ def test_no_standby_gives_clear_errors_then_recovers_when_a_spare_starts(ckpt, w
         assert asyncio.run(after()) == want[1]
     finally:
         ring.stop()
+
+
+def test_a_slot_missing_at_start_up_is_a_clear_error_not_a_hang(ckpt):
+    """The last slot (the sampler) never started: requests end with an error naming it, within a bound."""
+    ring = LocalRing(ckpt, 4)
+    try:
+        for sid in ("s0", "s1", "s2"):
+            ring.spawn(sid)
+        ring.wait_up(["s0", "s1", "s2"], 120)
+
+        async def go():
+            out = []
+            for _ in range(2):
+                t0 = time.time()
+                c = await ring.client(resume=False)
+                try:
+                    with pytest.raises(RequestError) as e:
+                        await asyncio.wait_for(c.generate(PROMPTS[0], SamplingParams(max_tokens=4)), 60)
+                finally:
+                    c.close()
+                out.append((e.value, time.time() - t0))
+            return out
+
+        (first, t1), (second, t2) = asyncio.run(go())
+        print(f"\n[fault matrix] missing last slot: first request failed after {t1:.1f} s, the next after {t2:.1f} s")
+        for e in (first, second):
+            assert e.code == "unavailable" and "s3" in e.message, e
+        assert t2 < 2.0  # once the detector knows, requests are refused at once
+    finally:
+        ring.stop()

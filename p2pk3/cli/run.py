@@ -17,6 +17,29 @@ def _parse_tokens(s: str) -> list[int]:
     return toks
 
 
+def _parse_formats(ctx, param, value):
+    """--formats attention=mxfp8,shared_experts=mxfp4 -> {class: format} (p2pk3.quant.formats)."""
+    if not value:
+        return None
+    from p2pk3.quant.formats import FormatError, parse_formats
+    try:
+        return parse_formats(value)
+    except FormatError as e:
+        raise click.BadParameter(str(e), param_hint="--formats") from None
+
+
+def formats_option(f):
+    return click.option("--formats", callback=_parse_formats, default=None, metavar="CLASS=FMT,...",
+                        help="in-process: re-quantize weight classes at load, e.g. attention=mxfp8,shared_experts=mxfp4 "
+                             "(classes attention, shared_experts, dense, lm_head, latent; formats bf16, mxfp8, mxfp4)")(f)
+
+
+def _no_ring_formats(nodes, formats):
+    if nodes and formats:
+        raise click.BadParameter("--formats is for in-process runs; a ring takes them from its topology "
+                                 "([model] formats)", param_hint="--formats")
+
+
 @main.command()
 @click.option("--model", help=MODEL_HELP)
 @click.option("--tokens", required=True, help="comma-separated token ids")
@@ -26,7 +49,8 @@ def _parse_tokens(s: str) -> list[int]:
 @click.option("--nodes", type=click.IntRange(min=0), default=0, help="run through a local ring of N daemons instead of in-process")
 @click.option("--stages", type=click.IntRange(min=1), default=1, show_default=True, help="in-process: split into N layer-range stages")
 @click.option("--device", default="cpu", show_default=True)
-def score(model, tokens, incremental, dtype, dump_logits, nodes, stages, device):
+@formats_option
+def score(model, tokens, incremental, dtype, dump_logits, nodes, stages, device, formats):
     """Mean NLL and perplexity of a token sequence."""
     import numpy as np
 
@@ -45,12 +69,13 @@ def score(model, tokens, incremental, dtype, dump_logits, nodes, stages, device)
         raise click.BadParameter(f"{n} stages but the model has only {cfg.num_hidden_layers} layers",
                                  param_hint="--nodes" if nodes else "--stages")
     _check_device(device)
+    _no_ring_formats(nodes, formats)
     if nodes:
         from p2pk3.node.local import score_on_ring
         logits = score_on_ring(mdir, toks, nodes=nodes, incremental=incremental, dtype=dtype)
     else:
         pipe = Pipeline.load(mdir, n_stages=stages, dtype=dtype, device=device, max_sessions=1,
-                             max_tokens=len(toks) + 64)
+                             max_tokens=len(toks) + 64, formats=formats)
         logits = pipe.score(toks, incremental=incremental)
     loss, ppl = nll(logits, toks)
     click.echo(f"tokens: {len(toks)}  mode: {'incremental' if incremental else 'prefill'}  dtype: {dtype}")
@@ -103,28 +128,52 @@ def prompt_ids(tok, prompt: str, raw: bool) -> list[int]:
 @click.option("--nodes", type=click.IntRange(min=0), default=0, help="through a fresh local ring of N daemons (0: in-process)")
 @sampling_options
 @click.option("--raw", is_flag=True, help="no chat template: continue the prompt text (after the model's BOS token)")
-def generate(model, prompt, nodes, max_tokens, temperature, top_k, top_p, seed, raw):
+@click.option("--speculate", type=click.Choice(["off", "ngram", "suffix"]), default="off", show_default=True,
+              help="speculative decoding: draft tokens by prompt lookup (ngram) or a suffix index over recent "
+                   "prompts and outputs (suffix); the ring verifies them, the output is the same")
+@click.option("--draft-tokens", type=click.IntRange(min=1, max=16), default=8, show_default=True,
+              help="most drafted tokens per pass (the entry adapts below it)")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object: token ids, text and statistics")
+@formats_option
+def generate(model, prompt, nodes, max_tokens, temperature, top_k, top_p, seed, raw, speculate, draft_tokens, as_json,
+             formats):
     """Generate an answer to PROMPT (in-process, or through a local ring with --nodes)."""
+    import time
+
     from p2pk3.params import SamplingParams
     from p2pk3.tokenizer import load_tokenizer
 
     mdir = model_dir(model)
+    _no_ring_formats(nodes, formats)
     tok = load_tokenizer(mdir)
     ids = prompt_ids(tok, prompt, raw)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens,
-                            stop_ids=tuple(sorted(tok.eos_ids)))
+                            stop_ids=tuple(sorted(tok.eos_ids)), speculate=speculate, draft_tokens=draft_tokens)
+    t0 = time.perf_counter()
     if nodes:
         from p2pk3.model.config import K3Config
         if nodes > K3Config.from_pretrained(mdir).num_hidden_layers:
             raise click.BadParameter("more nodes than the model has layers", param_hint="--nodes")
         from p2pk3.node.local import LocalRing
         with LocalRing(mdir, nodes) as ring:
-            out = run_async(_ring_generate(ring, ids, params)).tokens
+            reply = run_async(_ring_generate(ring, ids, params))
+        out, stats = reply.tokens, dict(reply.stats)
+        if reply.stage_stats.get("spec"):
+            stats["entry_stage"] = reply.stage_stats["spec"]
     else:
         from p2pk3.engine.reference import Pipeline
-        pipe = Pipeline.load(mdir, 1, max_sessions=1, max_tokens=len(ids) + max_tokens + 64)
-        out = pipe.generate([ids], params)[0] if max_tokens else []
-    click.echo(tok.decode([t for t in out if t not in tok.eos_ids]))
+        pipe = Pipeline.load(mdir, 1, max_sessions=1, max_tokens=len(ids) + max_tokens + 64, formats=formats)
+        out = pipe.generate([ids], params, draft_policy="adaptive")[0] if max_tokens else []
+        stats = {"prompt_tokens": len(ids), "generated_tokens": len(out),
+                 **(pipe.last_stats[0] if params.speculating and max_tokens else {})}
+    text = tok.decode([t for t in out if t not in tok.eos_ids])
+    if as_json:
+        import json
+        stats["wall_s"] = round(time.perf_counter() - t0, 4)
+        click.echo(json.dumps({"tokens": [int(t) for t in out], "text": text, "speculate": speculate,
+                               "draft_tokens": draft_tokens, "stats": stats}))
+    else:
+        click.echo(text)
 
 
 async def _ring_generate(ring, ids, params):

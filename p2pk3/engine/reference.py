@@ -36,11 +36,17 @@ def configure_cpu_threads(cfg: K3Config, threads: int | None = None) -> int:
 
 
 def load_stage(model_dir: str | Path, plan: StagePlan, dtype="float32", device="cpu",
-               cfg: K3Config | None = None) -> K3Stage:
+               cfg: K3Config | None = None, formats=None, formats_cache: str | Path | None = None) -> K3Stage:
+    """`formats`: per tensor class weight format (p2pk3.quant.formats; None / {} = BF16 as shipped), converted
+    once here; `formats_cache`: a file for the converted tensors (reused while the shards are unchanged)."""
     cfg = cfg or K3Config.from_pretrained(model_dir)
     state = load_stage_weights(model_dir, cfg, layers=plan.layers, experts=plan.experts or None, embed=plan.embed,
                                head=plan.head, layer_parts=plan.parts or None)
-    return build_stage(cfg, plan, state, torch_dtype(dtype), device)
+    stage = build_stage(cfg, plan, state, torch_dtype(dtype), device)
+    if formats:
+        from p2pk3.quant.formats import apply_formats, source_fingerprint
+        apply_formats(stage, formats, cache=formats_cache, source=source_fingerprint(model_dir))
+    return stage
 
 
 class Pipeline:
@@ -50,15 +56,17 @@ class Pipeline:
         self.stages = stages
         self.cfg = stages[0].cfg
         self.caches = [s.new_cache(max_sessions, max_tokens, block_size) for s in stages]
+        self.suffix_index = None  # speculative decoding with `suffix`: made on first use, kept across calls
+        self.last_stats: list[dict] = []  # per prompt, after a speculative generate
 
     @classmethod
     def load(cls, model_dir: str | Path, n_stages: int = 1, dtype="float32", device="cpu",
-             plans: list[StagePlan] | None = None, **cache_kw) -> "Pipeline":
+             plans: list[StagePlan] | None = None, formats=None, **cache_kw) -> "Pipeline":
         cfg = K3Config.from_pretrained(model_dir)
         if torch.device(device).type == "cpu":
             configure_cpu_threads(cfg)
         plans = plans or StagePlan.split_even(cfg, n_stages)
-        return cls([load_stage(model_dir, p, dtype, device, cfg) for p in plans], **cache_kw)
+        return cls([load_stage(model_dir, p, dtype, device, cfg, formats) for p in plans], **cache_kw)
 
     def open(self, session: str) -> None:
         opened = []
@@ -101,9 +109,13 @@ class Pipeline:
             self.close(session)
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams,
-                 prefill_chunk: int = 512) -> list[list[int]]:
+                 prefill_chunk: int = 512, *, proposers: dict | None = None,
+                 draft_policy: str = "fixed") -> list[list[int]]:
         """Batched generation: prompts prefilled together (in chunks), then one decode step per round for
-        every live session."""
+        every live session. Sessions whose params ask to `speculate` draft up to `draft_tokens` tokens per
+        step that the same forward verifies (same tokens as without; `last_stats` has the counts).
+        `proposers`: method -> factory of a session's proposer (default p2pk3.spec's); `draft_policy`:
+        "fixed" (always draft_tokens, where the proposer has them) or "adaptive" (p2pk3.spec.draft_len)."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if any(not p for p in prompts):
@@ -113,6 +125,8 @@ class Pipeline:
         ids = [f"gen{i}" for i in range(len(prompts))]
         params = [p if p.seed is not None or p.temperature == 0 else
                   SamplingParams(**{**p.__dict__, "seed": fresh_seed()}) for p in params]
+        if any(p.speculating for p in params):
+            return self._generate_spec(prompts, params, ids, prefill_chunk, proposers or {}, draft_policy)
         outs: list[list[int]] = [[] for _ in prompts]
         for s in ids:
             self.open(s)
@@ -147,6 +161,118 @@ class Pipeline:
                 lg = self.forward(spans, torch.tensor([outs[i][-1] for i in live], dtype=torch.long))
                 for row, i in enumerate(live):
                     last[i] = lg[row]
+            return outs
+        finally:
+            for s in ids:
+                self.close(s)
+
+
+    def _generate_spec(self, prompts, params, ids, prefill_chunk, proposers, draft_policy) -> list[list[int]]:
+        """`generate` with speculative decoding: each round, every live session's last token plus its drafted
+        tokens go through the stages as one span (a verify pass, with a rollback checkpoint on every stage);
+        the longest prefix plain decoding would have produced is accepted, plus the token after it, and
+        the caches are rolled back to the accepted position before the session's next span."""
+        import time
+
+        from p2pk3.spec.draft_len import DraftLength, PassCost
+        from p2pk3.spec.proposers import NgramProposer, SuffixIndex, SuffixProposer
+        from p2pk3.spec.verify import verify_draft
+
+        if self.suffix_index is None:
+            self.suffix_index = SuffixIndex()
+        make = {"ngram": NgramProposer, "suffix": lambda: SuffixProposer(self.suffix_index), **proposers}
+        prop = [make[p.speculate]() if p.speculating else None for p in params]
+        dlen = [DraftLength() for _ in params]
+        cost, vcost = PassCost(), PassCost()  # passes without / with drafts (another compute path)
+        stats = [{"speculate": p.speculate, "proposed": 0, "accepted": 0, "passes": 0, "pass_tokens": 0,
+                  "draft_ns": 0, "drafts": 0} for p in params]
+        for i, p in enumerate(params):
+            if p.speculate == "suffix":
+                self.suffix_index.add(prompts[i])
+        outs: list[list[int]] = [[] for _ in prompts]
+        for s in ids:
+            self.open(s)
+        try:
+            pos, last = [0] * len(prompts), [None] * len(prompts)
+            while any(pos[i] < len(p) for i, p in enumerate(prompts)):  # chunked prefill, as `generate`
+                spans, toks, who = [], [], []
+                for i, p in enumerate(prompts):
+                    if pos[i] < len(p):
+                        n = min(prefill_chunk, len(p) - pos[i])
+                        spans.append(Span(ids[i], pos[i], n))
+                        toks.extend(p[pos[i]:pos[i] + n])
+                        pos[i] += n
+                        who.append(i)
+                lg = self.forward(spans, torch.tensor(toks, dtype=torch.long))
+                for row, i in enumerate(who):
+                    last[i] = lg[row]
+
+            def take(i: int, toks: list[int]) -> bool:  # append up to a stop id / max_tokens; True: go on
+                for t in toks:
+                    outs[i].append(t)
+                    stats[i]["pass_tokens"] += 1
+                    if t in params[i].stop_ids or len(outs[i]) >= params[i].max_tokens:
+                        return False
+                return True
+
+            for st in stats:
+                st["passes"] += 1  # the prefill's last pass samples the first token
+            live = [i for i in range(len(prompts)) if params[i].max_tokens > 0
+                    and take(i, [sample_at(last[i], params[i], len(prompts[i]))])]
+            while live:
+                spans, toks, drafts = [], [], []
+                width, drafting = len(live), False
+                for i in live:
+                    hist = prompts[i] + outs[i]
+                    p = len(hist) - 1  # position of the last accepted token, not yet in the caches
+                    if self.length(ids[i]) > p:  # the previous pass's tail was rejected
+                        for stage, cache in zip(self.stages, self.caches):
+                            stage.rollback(cache, ids[i], p)
+                    d: list[int] = []
+                    kmax = min(params[i].draft_tokens, params[i].max_tokens - len(outs[i]) - 1)
+                    if prop[i] is not None and kmax > 0:
+                        k = kmax if draft_policy == "fixed" else \
+                            dlen[i].choose(kmax, lambda k, w=width, v=drafting: (
+                                (vcost.estimate(w + k) or cost.estimate(w + k)) if v or k else cost.estimate(w)))
+                        if k:
+                            t0 = time.perf_counter_ns()
+                            d = list(prop[i].propose(hist, k))[:k]
+                            stats[i]["draft_ns"] += time.perf_counter_ns() - t0
+                            stats[i]["drafts"] += 1
+                    width += len(d)
+                    drafting = drafting or bool(d)
+                    spans.append(Span(ids[i], p, 1 + len(d), verify=bool(d)))
+                    toks.extend([hist[-1], *d])
+                    drafts.append(d)
+                t0 = time.perf_counter()
+                lg = self.forward(spans, torch.tensor(toks, dtype=torch.long), logits="all")
+                (vcost if drafting else cost).observe(width, 1000 * (time.perf_counter() - t0))
+                nxt, r = [], 0
+                for i, sp, d in zip(live, spans, drafts):
+                    rows = lg[r:r + sp.length]
+                    r += sp.length
+                    if d:
+                        acc, tok = verify_draft(rows, d, params[i], sp.start)
+                    else:
+                        acc, tok = [], sample_at(rows[-1], params[i], sp.start + 1)
+                    st = stats[i]
+                    if prop[i] is not None:
+                        dlen[i].observe(len(d), len(acc))
+                    st["proposed"] += len(d)
+                    st["accepted"] += len(acc)
+                    st["passes"] += 1
+                    if take(i, acc + [tok]):
+                        nxt.append(i)
+                live = nxt
+            for i, p in enumerate(params):
+                if p.speculate == "suffix" and outs[i]:
+                    self.suffix_index.add(prompts[i][-8:] + outs[i])
+            self.last_stats = [{"speculate": st["speculate"], "proposed": st["proposed"], "accepted": st["accepted"],
+                                "acceptance": st["accepted"] / st["proposed"] if st["proposed"] else None,
+                                "passes": st["passes"],
+                                "tokens_per_pass": st["pass_tokens"] / st["passes"] if st["passes"] else None,
+                                "draft_us": st["draft_ns"] / 1000 / st["drafts"] if st["drafts"] else None}
+                               for st in stats]
             return outs
         finally:
             for s in ids:

@@ -23,10 +23,32 @@ class SessionError(KeyError):
 
 
 @dataclass
+class KdaCheckpoint:
+    """What one KDA layer needs to undo a verify pass exactly (speculative decoding): its state before the
+    pass and the pass's per-position inputs, so that any accepted prefix of the pass can be replayed."""
+
+    state: torch.Tensor  # [H, K, V] fp32 recurrent state before the pass
+    conv: torch.Tensor  # [3C, conv_size - 1] fp32 short-conv history before the pass
+    pre_conv: torch.Tensor  # [T, 3C] the q | k | v projections (pre-conv inputs) of the pass
+    inputs: tuple[torch.Tensor, ...]  # (q, k, v, a, b) of the pass, exactly as the KDA kernel took them
+
+
+@dataclass
+class Checkpoint:
+    """A verify pass of `width` tokens from position `start`: the session may be rolled back to any length in
+    start .. start + width (the rejected drafts forgotten) until its next span arrives."""
+
+    start: int
+    width: int
+    kda: dict[int, KdaCheckpoint] = field(default_factory=dict)
+
+
+@dataclass
 class SessionCache:
     row: int  # this session's row in the KDA state pools (`kda_state[layer][row]`, `conv_state[layer][row]`)
     blocks: list[int] = field(default_factory=list)  # MLA cache blocks, in position order
     length: int = 0  # tokens already in the cache
+    ckpt: Checkpoint | None = None  # the last verify pass, while it may still be rolled back
 
 
 @dataclass
@@ -39,6 +61,7 @@ class Span:
     session: str
     start: int  # position of the first token (= tokens the session already has on this stage)
     length: int
+    verify: bool = False  # a verify pass (speculative decoding): keep a rollback checkpoint (Checkpoint)
 
 
 class StageCache:
@@ -111,6 +134,37 @@ class StageCache:
                 sc = self.sessions[sp.session]
                 while len(sc.blocks) * self.block_size < sc.length + sp.length:
                     sc.blocks.append(self._free_blocks.pop())
+        for sp in spans:  # a new span settles the previous verify pass: keep a checkpoint only for this one
+            self.sessions[sp.session].ckpt = Checkpoint(sp.start, sp.length) if sp.verify else None
+
+    # ------------------------------------------------------------------ rollback (speculative decoding)
+    def check_rollback(self, session: str, length: int) -> Checkpoint:
+        """The checkpoint that lets `session` go back to `length` tokens; SessionError when none does."""
+        sc = self.get(session)
+        ck = sc.ckpt
+        if ck is None or not ck.start <= length <= ck.start + ck.width or sc.length != ck.start + ck.width:
+            raise SessionError(f"session {session!r}: cannot roll back to position {length} (the stage holds "
+                               f"{sc.length} tokens" + (f", its last verify pass covers {ck.start}..{ck.start + ck.width})"
+                                                        if ck else " and no verify pass)"))
+        return ck
+
+    def truncate(self, session: str, length: int) -> None:
+        """Forget the MLA rows from `length` on (they are overwritten by the next span) and the checkpoint;
+        the KDA rows are restored by the model (K3Stage.rollback), which calls this last."""
+        sc = self.get(session)
+        sc.length = length
+        sc.ckpt = None
+        while self.mla_kv and len(sc.blocks) * self.block_size >= length + self.block_size:
+            self._free_blocks.append(sc.blocks.pop())
+
+    def checkpoint_bytes(self) -> int:
+        """Memory held by rollback checkpoints now (all sessions)."""
+        n = 0
+        for sc in self.sessions.values():
+            for k in (sc.ckpt.kda.values() if sc.ckpt else ()):
+                for t in (k.state, k.conv, k.pre_conv, *k.inputs):
+                    n += t.numel() * t.element_size()
+        return n
 
     def commit(self, spans: list[Span]) -> None:
         for sp in spans:

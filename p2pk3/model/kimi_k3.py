@@ -1,4 +1,5 @@
-"""Kimi K3 (and Kimi Linear) text model, one readable file; module and parameter names mirror the
+"""Kimi K3 (and Kimi Linear) text model, one readable file (over 500 lines on purpose: as in mlx-lm, the whole
+model reads top to bottom in one place, in spec order); module and parameter names mirror the
 checkpoint (`model.layers.N.self_attn.q_proj.weight`, ...), except each Attention-Residual pair, which is
 one `AttnResMix` module (`...mlp_res.norm.weight` for the stored `...mlp_res_norm.weight`; the names are
 mapped once, in `K3Stage.load_weights`). Math and sources: shared/spec
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 
 from p2pk3_kernels import ops
 
-from .cache import Span, StageCache
+from .cache import KdaCheckpoint, Span, StageCache
 from .config import K3Config
 from .split import even_layer_ranges
 
@@ -107,6 +108,13 @@ class Batch:
         """[len(spans)] long: each span's session row in the KDA state pools."""
         return self.memo("rows", lambda: self.cache.rows(self.spans, self.device))
 
+    @property
+    def verify(self) -> list[int]:
+        """Indices of the verify spans (speculative decoding), whose layers keep a rollback checkpoint."""
+        if not hasattr(self, "_verify"):
+            self._verify = [i for i, s in enumerate(self.spans) if s.verify]
+        return self._verify
+
 
 # ---------------------------------------------------------------------------------------- KDA (spec 2)
 class ShortConv(nn.Module):
@@ -170,13 +178,23 @@ class KimiDeltaAttention(nn.Module):
         C = H * K
         hist = batch.cache.conv_state[self.layer_idx]  # [S, 3C, K-1]: q | k | v conv histories
         rows, seqs = batch.rows, (None if batch.decode else batch.cu_seqlens)
-        q = self.q_conv1d(self.q_proj(x), hist[:, :C], rows, seqs)
-        k = self.k_conv1d(self.k_proj(x), hist[:, C:2 * C], rows, seqs)
-        v = self.v_conv1d(self.v_proj(x), hist[:, 2 * C:], rows, seqs)
+        state = batch.cache.kda_state[self.layer_idx]
+        xq, xk, xv = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if batch.verify:  # speculative verify spans: the state before the pass, kept for a rollback
+            before = {i: (state[int(rows[i])].clone(), hist[int(rows[i])].clone()) for i in batch.verify}
+        q = self.q_conv1d(xq, hist[:, :C], rows, seqs)
+        k = self.k_conv1d(xk, hist[:, C:2 * C], rows, seqs)
+        v = self.v_conv1d(xv, hist[:, 2 * C:], rows, seqs)
         q, k, v = (t.to(x.dtype).reshape(N, H, K) for t in (q, k, v))
         a = self.f_b_proj(self.f_a_proj(x)).view(N, H, K)
         b = self.b_proj(x).float()
-        state = batch.cache.kda_state[self.layer_idx]
+        if batch.verify:
+            cu = batch.cu_seqlens
+            for i, (s0, c0) in before.items():
+                s, e = cu[i], cu[i + 1]
+                batch.cache.sessions[batch.spans[i].session].ckpt.kda[self.layer_idx] = KdaCheckpoint(
+                    s0, c0, torch.cat([xq[s:e], xk[s:e], xv[s:e]], -1),
+                    tuple(t[s:e].clone() for t in (q, k, v, a, b)))
         A_log = self.A_log[:H]
         args = (A_log, self.dt_bias, state)
         scale, lb = K ** -0.5, self.cfg.kda_gate_lower_bound
@@ -191,6 +209,27 @@ class KimiDeltaAttention(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.o_norm.eps) * self.o_norm.weight.float()
         h = h.reshape(N, H * K) * torch.sigmoid(g.float())
         return self.o_proj(h.to(x.dtype))
+
+    def restore(self, cache: StageCache, row: int, ck: KdaCheckpoint, n: int) -> None:
+        """Put row `row` where it would be had the verify pass been only its first `n` tokens: the state
+        before the pass, then the pass's own inputs of those tokens replayed (the same kernels as a
+        forward of an n-token span: the short-conv window, the chunked KDA recurrence)."""
+        C = self.H * self.K
+        hist, state = cache.conv_state[self.layer_idx], cache.kda_state[self.layer_idx]
+        keep = hist.shape[-1]
+        state[row] = ck.state
+        if n == 0:
+            hist[row] = ck.conv
+            return
+        win = torch.cat([ck.conv, ck.pre_conv[:n].float().T], -1)  # [3C, keep + n], as ShortConv builds it
+        for part in range(3):
+            w = win[part * C:(part + 1) * C]
+            hist[row, part * C:(part + 1) * C] = w[:, w.shape[1] - keep:]
+        q, k, v, a, b = (t[:n] for t in ck.inputs)
+        rows = torch.tensor([row], dtype=torch.long, device=state.device)
+        cu = torch.tensor([0, n], dtype=torch.int32, device=state.device)
+        ops.kda_prefill(q, k, v, a, b, self.A_log[:self.H], self.dt_bias, state, cu, rows, self.K ** -0.5,
+                        self.cfg.kda_gate_lower_bound)
 
 
 # ----------------------------------------------------------------------------------- gated MLA (spec 3)
@@ -630,6 +669,17 @@ class K3Stage(nn.Module):
             return hop
         return self.head(hop, batch.cu_seqlens, logits)
 
+    @torch.inference_mode()
+    def rollback(self, cache: StageCache, session: str, length: int) -> None:
+        """Speculative decoding: take `session` back to `length` tokens, inside its last verify pass (the
+        rejected drafts leave no trace: KDA and short-conv state as if the pass had ended there, MLA rows
+        beyond `length` forgotten). SessionError (nothing changed) when the checkpoint does not cover it."""
+        ck = cache.check_rollback(session, length)
+        row = cache.sessions[session].row
+        for i, kck in ck.kda.items():
+            self.model.layers[str(i)].self_attn.restore(cache, row, kck, length - ck.start)
+        cache.truncate(session, length)
+
     def head(self, hop: Hop, cu_seqlens: list[int], which: str = "last") -> torch.Tensor:
         m = self.model
         h = m.output_attn_res(hop.bank, hop.prefix) if self.cfg.uses_attn_res else hop.prefix
@@ -638,6 +688,8 @@ class K3Stage(nn.Module):
         h = m.norm(h)
         if which == "none":
             return h
+        if not self.cfg.tie_word_embeddings and not isinstance(self.lm_head, nn.Linear):
+            return self.lm_head(h).float()  # re-quantized at load (p2pk3.quant.formats.MXLinear)
         w = m.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
         return (h @ w.T).float()
 

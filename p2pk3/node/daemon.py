@@ -130,7 +130,7 @@ class NodeDaemon:
         from p2pk3.deploy.integrity import check_slot  # the shards against the manifest (IntegrityError stops us)
         await loop.run_in_executor(self._executor, check_slot, self.model_dir, self.cfg, self.plan)
         stage = await loop.run_in_executor(self._executor, load_stage, self.model_dir, plan, o.dtype, o.device,
-                                           self.cfg)
+                                           self.cfg, self.topo.model.formats)  # weight formats: p2pk3.quant.formats
         self.runner = StageRunner(stage, stage.new_cache(o.max_sessions, o.cache_tokens))
         self.worker = StageWorker(self.runner, self._executor, slot=slot_id, max_batch_tokens=o.max_batch_tokens,
                                   emit=self._emit, report=self._report, pass_free=self._pass_free)
@@ -488,8 +488,11 @@ class NodeDaemon:
             await self.successor.send(frame)
         except LinkDown as e:
             log.error("slot %s: %s; the entry re-sends these sessions once the ring is repaired", self.slot_id, e)
-            await self._report([Result(s.session, s.epoch, s.start_pos, error=f"slot {self.slot_id}: {e}",
-                                       code=ErrorCode.UNAVAILABLE) for s in segs])
+            act = self.topo.active
+            nxt = act[(act.index(self.slot) + 1) % len(act)].id
+            why = f"slot {nxt} is unreachable from slot {self.slot_id}, its predecessor ({e})"
+            await self._report([Result(s.session, s.epoch, s.start_pos, error=why, code=ErrorCode.UNAVAILABLE)
+                                for s in segs])
 
     async def _report(self, results: list[Result]) -> None:
         """Per-session errors go straight to the entry (not along the ring, which may be what broke)."""
@@ -533,6 +536,8 @@ class NodeDaemon:
             st["entry"] = list(self.routes.address(self.topo.active[0].id))
         except ConnectionError:
             st["entry"] = None
+        if self.runner is not None:  # speculative decoding: passes by width, rollbacks (stage_runner.py)
+            st["spec"] = self.runner.spec_stats() | (self.entry.spec_stats() if self.entry is not None else {})
         if self.entry is not None:
             st["live_sessions"] = len(self.entry.live())
             st["paused"] = self.entry.paused

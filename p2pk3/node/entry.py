@@ -13,6 +13,13 @@ state when the new epoch arrives at position 0), and generation continues where 
 seeded output are the same as without the failure (sampling is a function of seed and position).
 While the ring is being repaired the entry is `paused`: nothing is scheduled, results of the old epoch
 are ignored, and new requests wait in the session table.
+
+Speculative decoding (a request's `speculate`, p2pk3/spec): a decode step of such a session carries its
+last accepted token plus k drafted tokens (its proposer's guess; k from the session's recent acceptance
+and the measured ring time of passes by width, 0 included). The last stage accepts the longest prefix the
+target itself would have produced and adds the token after it; the entry appends them (up to a stop id or
+max_tokens) and the session's next segment starts after them, which tells every stage how far to roll
+back. Only accepted tokens enter the history, so a replay never sees a draft.
 """
 from __future__ import annotations
 
@@ -24,6 +31,9 @@ from dataclasses import dataclass, field
 import torch
 
 from p2pk3.engine.sampling import SamplingParams, fresh_seed
+from p2pk3.params import MAX_DRAFT
+from p2pk3.spec.draft_len import DraftLength, PassCost
+from p2pk3.spec.proposers import NgramProposer, SuffixIndex, SuffixProposer
 from p2pk3.transport.messages import ErrorCode, Result, Segment
 
 from .stage_runner import Work
@@ -54,6 +64,19 @@ class Session:
     t_submit: float = field(default_factory=time.perf_counter)
     t_first: float | None = None
     t_done: float | None = None
+    # speculative decoding
+    seg_params: SamplingParams | None = None  # what segments carry (params without the speculation options)
+    proposer: object | None = None  # p2pk3.spec.proposers, None: no speculation
+    draft_len: DraftLength | None = None
+    inflight_draft: int = 0  # drafted tokens in the unit in flight
+    sent_width: int = 0  # tokens of the batch the unit in flight went in
+    sent_verify: bool = False  # whether that batch had drafts
+    passes: int = 0  # decode passes (results that added tokens)
+    pass_tokens: int = 0  # tokens those passes added
+    proposed: int = 0
+    accepted: int = 0
+    draft_ns: int = 0  # time spent drafting
+    drafts: int = 0  # proposer calls
 
     @property
     def generated(self) -> list[int]:
@@ -64,8 +87,14 @@ class Session:
         ttft = (self.t_first - self.t_submit) if self.t_first else None
         total = (self.t_done or time.perf_counter()) - self.t_submit
         decode = (self.t_done - self.t_first) if (self.t_done and self.t_first and n > 1) else None
-        return {"prompt_tokens": self.prompt_len, "generated_tokens": n, "ttft_s": ttft, "total_s": total,
-                "decode_tokens_per_s": (n - 1) / decode if decode else None, "replays": self.replays}
+        st = {"prompt_tokens": self.prompt_len, "generated_tokens": n, "ttft_s": ttft, "total_s": total,
+              "decode_tokens_per_s": (n - 1) / decode if decode else None, "replays": self.replays}
+        if self.proposer is not None:
+            st.update({"speculate": self.params.speculate, "proposed": self.proposed, "accepted": self.accepted,
+                       "acceptance": self.accepted / self.proposed if self.proposed else None,
+                       "passes": self.passes, "tokens_per_pass": self.pass_tokens / self.passes if self.passes else None,
+                       "draft_us": self.draft_ns / 1000 / self.drafts if self.drafts else None})
+        return st
 
 
 class Entry:
@@ -80,6 +109,16 @@ class Entry:
         self.paused: str | None = None  # why scheduling is paused (a ring repair), or None
         self.finished = 0
         self.failed = 0
+        # speculative decoding: the cluster's recent prompts and outputs (suffix proposer), the ring time of
+        # passes by width as measured here (send -> result), how each method makes a session's proposer,
+        # and how k is chosen ("adaptive": expected tokens per ring time; "fixed": always the request's
+        # draft_tokens, for tests and benchmarks)
+        self.suffix_index = SuffixIndex()
+        self.pass_cost = PassCost()  # batches without drafts
+        self.verify_cost = PassCost()  # batches with drafts (a different, per-span compute path on the stages)
+        self.proposer_factories = {"ngram": NgramProposer, "suffix": lambda: SuffixProposer(self.suffix_index)}
+        self.draft_policy = "adaptive"
+        self.spec_totals = {"passes": 0, "proposed": 0, "accepted": 0}
 
     # ------------------------------------------------------------------ public
     def submit(self, prompt: list[int], params: SamplingParams, *, want_logits: bool = False,
@@ -93,6 +132,12 @@ class Entry:
             params = params.with_seed(fresh_seed())
         sid = f"s{self.node_tag}-{next(self._ids)}"
         s = Session(sid, 0, list(prompt), len(prompt), params, want_logits, incremental)
+        s.seg_params = params.sampler()
+        if params.speculating and not want_logits:
+            s.proposer = self.proposer_factories[params.speculate]()
+            s.draft_len = DraftLength()
+            if params.speculate == "suffix":
+                self.suffix_index.add(prompt)
         self.sessions[sid] = s
         if params.max_tokens == 0 and not want_logits:
             self._finish(s)  # nothing to generate
@@ -118,7 +163,7 @@ class Entry:
         n = 0
         for s in self.live():
             s.epoch += 1
-            s.sent, s.inflight = 0, False
+            s.sent, s.inflight, s.inflight_draft = 0, False, 0
             s.logits.clear()
             s.replays += 1
             n += 1
@@ -150,6 +195,8 @@ class Entry:
         ready = [s for s in self.sessions.values() if not s.done and not s.inflight and s.sent < len(s.tokens)]
         ready.sort(key=lambda s: (s.sent < s.prompt_len, s.t_submit))
         now = time.perf_counter()
+        width = sum(1 if s.incremental else min(len(s.tokens) - s.sent, self.prefill_chunk) for s in ready)
+        batch, drafting = [], False
         for s in ready:
             n = min(len(s.tokens) - s.sent, self.prefill_chunk, budget)
             if s.incremental:
@@ -157,14 +204,54 @@ class Entry:
             if n <= 0:
                 break
             last = s.sent + n == len(s.tokens)
-            sample = s.params if last and not s.want_logits else None
-            segs.append(Segment(s.id, s.epoch, s.sent, n, sample, s.want_logits))
+            sample = s.seg_params if last and not s.want_logits else None
+            draft: tuple[int, ...] = ()
+            if sample is not None and n == 1 and s.proposer is not None:
+                draft = self._draft(s, budget - 1, width, drafting)
+                width += len(draft)
+                drafting = drafting or bool(draft)
+            segs.append(Segment(s.id, s.epoch, s.sent, n + len(draft), sample, s.want_logits, draft))
             ids.extend(s.tokens[s.sent:s.sent + n])
+            ids.extend(draft)
             s.sent += n
-            s.inflight, s.t_sent = True, now
-            budget -= n
+            s.inflight, s.t_sent, s.inflight_draft = True, now, len(draft)
+            budget -= n + len(draft)
+            batch.append(s)
         if segs:
+            for s in batch:
+                s.sent_width, s.sent_verify = len(ids), drafting
             self._submit_work(Work(segs, tokens=torch.tensor(ids, dtype=torch.long)))
+
+    def _cost(self, width: int, verify: bool) -> float | None:
+        """Estimated ring ms of a batch of `width` tokens, with drafts (verify) or without."""
+        plain = self.pass_cost.estimate(width)
+        return plain if not verify else (self.verify_cost.estimate(width) or plain)
+
+    def _draft(self, s: Session, room: int, width: int, drafting: bool) -> tuple[int, ...]:
+        """The tokens to draft after s's last accepted token; `width`: the batch's tokens without them;
+        `drafting`: whether an earlier session of the batch drafts (the batch pays for drafts already)."""
+        kmax = min(s.params.draft_tokens, s.params.max_tokens - len(s.generated) - 1, room, MAX_DRAFT)
+        if kmax <= 0:
+            return ()
+        if self.draft_policy == "adaptive":
+            k = s.draft_len.choose(kmax, lambda k: self._cost(width + k, drafting or k > 0))
+        else:
+            k = kmax
+        if k == 0:
+            return ()
+        t0 = time.perf_counter_ns()
+        d = s.proposer.propose(s.tokens, k)
+        s.draft_ns += time.perf_counter_ns() - t0
+        s.drafts += 1
+        return tuple(d[:k])
+
+    def spec_stats(self) -> dict:
+        """For the status: the measured ring time by pass width and the totals of speculating sessions."""
+        t = self.spec_totals
+        return {"ring_ms_by_width": self.pass_cost.table(), "ring_ms_by_width_with_drafts": self.verify_cost.table(),
+                "draft_policy": self.draft_policy,
+                "spec_passes": t["passes"], "spec_proposed": t["proposed"], "spec_accepted": t["accepted"],
+                "suffix_index_tokens": len(self.suffix_index)}
 
     def on_results(self, results: list[Result], logits: torch.Tensor | None) -> None:
         row = 0
@@ -185,17 +272,40 @@ class Entry:
                 continue
             if r.skip:
                 continue
+            now = time.perf_counter()
             if s.t_first is None:
-                s.t_first = time.perf_counter()
-            s.tokens.append(r.token)
-            s.out.put_nowait(r.token)
-            if r.token in s.params.stop_ids or len(s.generated) >= s.params.max_tokens:
-                self._finish(s)
+                s.t_first = now
+            if len(r.accepted) > s.inflight_draft:
+                self._finish(s, error=f"the ring accepted {len(r.accepted)} drafted tokens of {s.inflight_draft}",
+                             code=ErrorCode.FAILED)
+                continue
+            (self.verify_cost if s.sent_verify else self.pass_cost).observe(s.sent_width, 1000 * (now - s.t_sent))
+            if s.proposer is not None:
+                s.draft_len.observe(s.inflight_draft, len(r.accepted))
+                s.proposed += s.inflight_draft
+                s.accepted += len(r.accepted)
+                s.passes += 1
+                t = self.spec_totals
+                t["passes"], t["proposed"], t["accepted"] = (t["passes"] + 1, t["proposed"] + s.inflight_draft,
+                                                             t["accepted"] + len(r.accepted))
+            s.sent += len(r.accepted)  # the ring holds the accepted drafts already
+            s.inflight_draft = 0
+            added = 0
+            for tok in r.tokens:  # accepted drafts, then the token after them; a stop id or max_tokens ends it
+                s.tokens.append(tok)
+                s.out.put_nowait(tok)
+                added += 1
+                if tok in s.params.stop_ids or len(s.generated) >= s.params.max_tokens:
+                    self._finish(s)
+                    break
+            s.pass_tokens += added
         self.kick()
 
     def _finish(self, s: Session, error: str | None = None, code: str | None = None) -> None:
         s.done, s.error, s.error_code, s.inflight = True, error, code, False
         s.t_done = time.perf_counter()
+        if isinstance(s.proposer, SuffixProposer) and len(s.tokens) > s.prompt_len:
+            self.suffix_index.add(s.tokens[max(0, s.prompt_len - 8):])  # the output, with a little context
         s.out.put_nowait(None)
         if error:
             self.failed += 1

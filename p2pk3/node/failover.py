@@ -103,10 +103,14 @@ class Coordinator:
         if self.unavailable:
             return ErrorCode.UNAVAILABLE, self.unavailable
         m = self.d.monitor
+        o = self.d.opts
         if m is not None and (self.d.entry is None or not self.d.entry.paused):
+            now = time.monotonic()
             for s in self.d.topo.active:
                 ps = m.state(s.id)
-                if s.id != self.d.slot_id and ps is not None and ps.state == DOWN:
+                # a slot still starting gets a detector period's grace (its link re-dials meanwhile)
+                if (s.id != self.d.slot_id and ps is not None and ps.state == DOWN
+                        and now - ps.since > o.heartbeat_s + o.dead_after_s):
                     return ErrorCode.UNAVAILABLE, (f"slot {s.id} is not reachable ({ps.reason}); start its node "
                                                    f"(`p2pk3 node --topology ... --slot {s.id}`)")
         return None

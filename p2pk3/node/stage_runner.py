@@ -11,6 +11,7 @@ segment of an older epoch is refused (`SessionError`).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ from p2pk3.engine.sampling import sample_at
 from p2pk3.model.cache import SessionError, Span, StageCache
 from p2pk3.model.dtypes import TORCH_DTYPES
 from p2pk3.model.kimi_k3 import Hop, K3Stage, StagePlan
+from p2pk3.spec.verify import verify_draft
 from p2pk3.transport.codec import Frame
 from p2pk3.transport.messages import Result, Segment, forward_frame, parse_forward
 
@@ -111,6 +113,12 @@ class StageRunner:
     def __init__(self, stage: K3Stage, cache: StageCache):
         self.stage, self.cache = stage, cache
         self.epochs: dict[str, int] = {}
+        # speculative decoding, for the status: passes by batch width (EMA ms, count), verify segments by
+        # width (k + 1), rollbacks
+        self.pass_ms: dict[int, float] = {}
+        self.passes: dict[int, int] = {}
+        self.verify_widths: dict[int, int] = {}
+        self.rollbacks = 0
 
     @property
     def plan(self) -> StagePlan:
@@ -153,35 +161,91 @@ class StageRunner:
                 raise SessionError(f"session {sid}: epoch {s.epoch} must restart at position 0, not {s.start_pos}")
         return opened
 
+    def _rollback(self, segments: list[Segment], opened: list[str]) -> None:
+        """A segment that starts below what this stage holds of its session follows a verify pass whose
+        tail was rejected: roll the session back to its start (checked for every segment first)."""
+        back = [(str(s.session), s.start_pos) for s in segments
+                if str(s.session) not in opened and self.cache.has(str(s.session))
+                and s.start_pos < self.cache.get(str(s.session)).length]
+        for sid, pos in back:
+            self.cache.check_rollback(sid, pos)
+        for sid, pos in back:
+            self.stage.rollback(self.cache, sid, pos)
+            self.rollbacks += 1
+
     @torch.inference_mode()
     def run(self, work: Work) -> HopOut | HeadOut:
-        """Raises CacheFull / SessionError / ExpertNotHeld without side effects."""
+        """Raises CacheFull / SessionError / ExpertNotHeld without side effects (a rollback that a segment
+        asked for stays done: it only forgets rejected drafts)."""
+        t0 = time.perf_counter()
         opened = self._admit(work)
         try:
-            spans = [Span(str(s.session), s.start_pos, s.n_tokens) for s in work.segments]
+            self._rollback(work.segments, opened)
+            spans = [Span(str(s.session), s.start_pos, s.n_tokens, verify=bool(s.draft)) for s in work.segments]
             want_all = self.plan.head and any(s.want_logits for s in work.segments)
+            verify = self.plan.head and not want_all and any(s.draft for s in work.segments)
             out = self.stage(spans, self.cache, tokens=work.tokens, hop=work.hop,
-                             logits="all" if want_all else "last")
+                             logits="all" if want_all else "none" if verify else "last")
         except Exception:
             for sid in opened:
                 self.free(sid)
             raise
-        if not self.plan.head:
-            return HopOut(out)
-        return self._sample(work.segments, out, want_all)
+        if verify:  # logits of every position of a verify segment, of the last one of the others
+            idx, r = [], 0
+            for sg in work.segments:
+                idx.extend(range(r, r + sg.n_tokens) if sg.draft else [r + sg.n_tokens - 1])
+                r += sg.n_tokens
+            out = self._project(out[torch.tensor(idx, device=out.device)])
+        res = HopOut(out) if not self.plan.head else self._sample(work.segments, out, want_all)
+        self._account(work, time.perf_counter() - t0)
+        return res
+
+    def _project(self, h: torch.Tensor) -> torch.Tensor:
+        """Final hidden states (after the norm) -> fp32 logits, as K3Stage.head does."""
+        m = self.stage.model
+        w = m.embed_tokens.weight if self.stage.cfg.tie_word_embeddings else self.stage.lm_head.weight
+        return (h @ w.T).float()
+
+    def _account(self, work: Work, dt: float) -> None:
+        n = work.n_tokens
+        w = n if n <= 16 else 1 << (n - 1).bit_length()  # widths above 16 in power-of-two buckets
+        ms = 1000 * dt
+        self.pass_ms[w] = ms if w not in self.pass_ms else 0.8 * self.pass_ms[w] + 0.2 * ms
+        self.passes[w] = self.passes.get(w, 0) + 1
+        for sg in work.segments:
+            if sg.draft:
+                self.verify_widths[sg.n_tokens] = self.verify_widths.get(sg.n_tokens, 0) + 1
+
+    def spec_stats(self) -> dict:
+        """Passes by batch width (count, EMA ms), verify segments by width, rollbacks, checkpoint bytes."""
+        return {"passes_by_width": {str(k): v for k, v in sorted(self.passes.items())},
+                "pass_ms_by_width": {str(k): round(v, 3) for k, v in sorted(self.pass_ms.items())},
+                "verify_segments_by_width": {str(k): v for k, v in sorted(self.verify_widths.items())},
+                "rollbacks": self.rollbacks, "checkpoint_bytes": self.cache.checkpoint_bytes()}
 
     def _sample(self, segments: list[Segment], logits: torch.Tensor, all_rows: bool) -> HeadOut:
         results, rows = [], []
         r = 0
         for s in segments:
-            n = s.n_tokens if all_rows else 1
+            n = s.n_tokens if all_rows or s.draft else 1
             last = logits[r + n - 1]
             pos = s.start_pos + s.n_tokens
             if s.want_logits:
                 rows.append(logits[r:r + n])
                 results.append(Result(s.session, s.epoch, pos, int(torch.argmax(last)), rows=n))
+            elif s.draft:  # verify: rows r .. r+n-1 are positions start_pos .. start_pos+k
+                try:
+                    acc, tok = verify_draft(logits[r:r + n], s.draft, s.sample, s.start_pos)
+                    results.append(Result(s.session, s.epoch, s.start_pos + len(acc) + 1, tok, accepted=tuple(acc)))
+                except RuntimeError as e:  # as below: only this session fails
+                    results.append(Result(s.session, s.epoch, pos, error=f"sampling failed: {e}", code="bad_request"))
             elif s.sample is not None:
-                results.append(Result(s.session, s.epoch, pos, sample_at(last, s.sample, pos)))
+                try:
+                    results.append(Result(s.session, s.epoch, pos, sample_at(last, s.sample, pos)))
+                except RuntimeError as e:  # e.g. temperature 1e-300: inf/nan probabilities. Only this
+                    # session fails (the batch is already committed, a rerun would fail its batch-mates)
+                    results.append(Result(s.session, s.epoch, pos, error=f"sampling failed: {e}",
+                                          code="bad_request"))
             else:  # a prefill chunk that is not the prompt's last: nothing to sample
                 results.append(Result(s.session, s.epoch, pos, skip=True))
             r += n

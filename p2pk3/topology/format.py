@@ -78,6 +78,8 @@ class Topology:
         if self.cluster.beacon_addrs != [BROADCAST]:
             c["beacon_addrs"] = list(self.cluster.beacon_addrs)
         m = {k: getattr(self.model, k) for k in ("preset", "path", "repo", "revision") if getattr(self.model, k)}
+        if self.model.formats:
+            m["formats"] = dict(self.model.formats)
         out: dict[str, Any] = {"cluster": c, "model": m}
         if self.memory != MemorySpec():
             out["memory"] = {f.name: getattr(self.memory, f.name) for f in fields(MemorySpec)}
@@ -230,7 +232,15 @@ def _parse_cluster(d: Mapping[str, Any], errs: list[str]) -> ClusterSpec:
 def _parse_model(d: Mapping[str, Any], errs: list[str]) -> ModelSpec:
     m = _table(d, "model", errs)
     errs += _unknown(m.keys(), _MODEL_KEYS, "[model]")
-    model = ModelSpec(**{k: _typed(m, k, (str,), "[model]", errs) for k in _MODEL_KEYS})
+    model = ModelSpec(**{k: _typed(m, k, (str,), "[model]", errs) for k in _MODEL_KEYS - {"formats"}})
+    if "formats" in m:
+        from p2pk3.quant.formats import FormatError, parse_formats
+        try:
+            if not isinstance(m["formats"], dict):
+                raise FormatError(f"formats must be a table like {{ attention = \"mxfp8\" }}, got {m['formats']!r}")
+            model.formats = parse_formats(m["formats"])
+        except FormatError as e:
+            errs.append(f"[model]: {e}")
     if model.path and model.repo:
         errs.append("[model]: give either path or repo, not both")
     if model.revision and not model.repo:

@@ -43,6 +43,9 @@ class ModelSpec:
     repo: str | None = None
     revision: str | None = None
     preset: str | None = None
+    # weight format per tensor class, e.g. {"attention": "mxfp8", "shared_experts": "mxfp4"}; classes not named
+    # stay BF16 as shipped (p2pk3.quant.formats: TENSOR_CLASSES, FORMATS)
+    formats: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -10,10 +10,11 @@ Client frames (any authenticated peer <-> the entry): `generate` -> `token`* -> 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from p2pk3.params import SamplingParams
+from p2pk3.params import MAX_DRAFT, SamplingParams
 
 from .codec import Frame, ProtocolError
 
@@ -43,9 +44,18 @@ def _check_session(v: Any, where: str) -> None:
         raise ProtocolError(f"{where}: session id must be a non-empty string (<= {MAX_SESSION_ID} chars) or an integer")
 
 
+def _finite(p: SamplingParams) -> SamplingParams:
+    """SamplingParams.from_wire takes any float; NaN / inf make the sampler fail (or divide by zero)."""
+    for k in ("temperature", "top_p"):
+        v = getattr(p, k)
+        if not math.isfinite(v):
+            raise ValueError(f"sampling parameter {k!r} must be finite, got {v}")
+    return p
+
+
 def _params(d: Any, where: str) -> SamplingParams:
     try:
-        return SamplingParams.from_wire(d)
+        return _finite(SamplingParams.from_wire(d))
     except (ValueError, TypeError) as e:
         raise ProtocolError(f"{where}: {e}") from None
 
@@ -56,7 +66,12 @@ class Segment:
     """One session's run of consecutive tokens in a batched frame: positions start_pos .. start_pos+n_tokens-1.
     `sample`: the parameters with which the last stage samples the token after the last position (None:
     a prefill chunk that is not the prompt's last, nothing to sample). `want_logits`: return the logits
-    of every position instead of sampling (scoring)."""
+    of every position instead of sampling (scoring).
+
+    `draft` (speculative decoding): the k token ids drafted after the session's last accepted token; the
+    segment's tokens are then [last accepted, *draft] (n_tokens = k + 1), every stage keeps a rollback
+    checkpoint for them, and the last stage verifies them (Result.accepted). A later segment of the session
+    whose start_pos is below what a stage holds rolls that stage back to start_pos."""
 
     session: str | int
     epoch: int
@@ -64,6 +79,7 @@ class Segment:
     n_tokens: int
     sample: SamplingParams | None = None
     want_logits: bool = False
+    draft: tuple[int, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
         d: dict[str, Any] = {"session": self.session, "epoch": self.epoch, "start_pos": self.start_pos,
@@ -72,6 +88,8 @@ class Segment:
             d["sample"] = self.sample.to_wire()
         if self.want_logits:
             d["logits"] = True
+        if self.draft:
+            d["draft"] = [int(t) for t in self.draft]
         return d
 
     @classmethod
@@ -89,7 +107,13 @@ class Segment:
         want = d.get("logits", False)
         if not isinstance(want, bool):
             raise ProtocolError(f"{where}: logits must be a bool")
-        return cls(d["session"], d["epoch"], d["start_pos"], d["n_tokens"], sample, want)
+        draft = d.get("draft", [])
+        if not isinstance(draft, list) or len(draft) > MAX_DRAFT or not all(_is_int(t) and t >= 0 for t in draft):
+            raise ProtocolError(f"{where}: draft must be a list of at most {MAX_DRAFT} non-negative token ids")
+        if draft and (d["n_tokens"] != len(draft) + 1 or sample is None or want):
+            raise ProtocolError(f"{where}: a draft of {len(draft)} tokens needs n_tokens = {len(draft) + 1} "
+                                f"(got {d['n_tokens']}), sampling parameters and no logits")
+        return cls(d["session"], d["epoch"], d["start_pos"], d["n_tokens"], sample, want, tuple(draft))
 
 
 def _segments(segs: Iterable[Segment]) -> list[dict[str, Any]]:
@@ -195,7 +219,11 @@ class Result:
     """What the last stage says about one segment: the sampled `token` at position `pos` (the segment's
     end), or `skip` (a non-final prefill chunk: nothing sampled), or `rows` logits rows in the frame's
     `logits` tensor (scoring), or `error` with its `code` (the session failed on some stage; the entry
-    ends it)."""
+    ends it).
+
+    For a segment with a draft: `accepted` are the drafted tokens the target accepted (the longest prefix
+    it would have produced itself), `token` the one it produced after them (at the first mismatch, or
+    after all k), at position `pos`; the session continues with accepted + [token]."""
 
     session: str | int
     epoch: int
@@ -205,9 +233,17 @@ class Result:
     rows: int = 0
     error: str | None = None
     code: str | None = None  # with error: an ErrorCode (busy: the stage's cache is full)
+    accepted: tuple[int, ...] = ()
+
+    @property
+    def tokens(self) -> list[int]:
+        """The tokens this result adds to the session, in order."""
+        return [*self.accepted, self.token]
 
     def to_wire(self) -> dict[str, Any]:
         d: dict[str, Any] = {"session": self.session, "epoch": self.epoch, "pos": self.pos, "token": self.token}
+        if self.accepted:
+            d["accepted"] = [int(t) for t in self.accepted]
         if self.skip:
             d["skip"] = True
         if self.rows:
@@ -235,7 +271,10 @@ class Result:
             raise ProtocolError(f"{where}: error must be a string")
         if code is not None and not isinstance(code, str):
             raise ProtocolError(f"{where}: code must be a string")
-        return cls(r["session"], r["epoch"], r["pos"], r["token"], skip, rows, err, code)
+        acc = r.get("accepted", [])
+        if not isinstance(acc, list) or len(acc) > MAX_DRAFT or not all(_is_int(t) and t >= 0 for t in acc):
+            raise ProtocolError(f"{where}: accepted must be a list of at most {MAX_DRAFT} non-negative token ids")
+        return cls(r["session"], r["epoch"], r["pos"], r["token"], skip, rows, err, code, tuple(acc))
 
 
 def result_frame(results: Iterable[Result], logits: Any = None) -> Frame:
@@ -259,6 +298,9 @@ def parse_result(frame: Frame) -> list[Result]:
         shape = frame.desc("logits")["shape"]
         if len(shape) != 2 or shape[0] != rows:
             raise ProtocolError(f"result frame: logits shape {shape} must be [{rows}, V]")
+    if frame.has("logits") and frame.desc("logits")["dtype"] != "float32":
+        # checked here, not only where the logits are used: a stage relays results to the entry
+        raise ProtocolError(f"result frame: logits must be float32, not {frame.desc('logits')['dtype']}")
     return out
 
 
@@ -294,8 +336,18 @@ def ping_frame(ping_id: int, t_ns: int) -> Frame:
     return Frame.make("ping", id=int(ping_id), t_ns=int(t_ns))
 
 
+def _echo(v: Any) -> Any:
+    """A ping field echoed in the pong: only plain numbers and short strings (a ping may carry up to a
+    header's worth of anything; its pong must not grow past the header limit or echo structures)."""
+    if v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and -2**63 <= v < 2**64):
+        return v
+    if isinstance(v, (str, bytes)) and len(v) <= 256:
+        return v
+    return None
+
+
 def pong_frame(ping: Frame, **stats: Any) -> Frame:
-    return Frame.make("pong", id=ping.header.get("id"), t_ns=ping.header.get("t_ns"), **stats)
+    return Frame.make("pong", id=_echo(ping.header.get("id")), t_ns=_echo(ping.header.get("t_ns")), **stats)
 
 
 # ------------------------------------------------------------------------------------------- clients
@@ -326,7 +378,7 @@ class GenerateRequest:
         if (not isinstance(prompt, list) or not prompt or len(prompt) > MAX_PROMPT
                 or not all(_is_int(t) and 0 <= t < vocab_size for t in prompt)):
             raise ValueError(f"prompt must be a non-empty list of at most {MAX_PROMPT} token ids in 0..{vocab_size - 1}")
-        params = SamplingParams.from_wire(h.get("params") or {})
+        params = _finite(SamplingParams.from_wire(h.get("params") or {}))
         flags = {k: h.get(k, False) for k in ("logits", "incremental")}
         for k, v in flags.items():
             if not isinstance(v, bool):
