@@ -46,7 +46,7 @@ def main(ctx, verbose) -> None:
     ctx.obj["verbose"] = verbose
 
 
-from . import chat, dashboard, deploy, ring, run, serve, topo  # noqa: E402,F401  (the commands register themselves on `main`)
+from . import chat, dashboard, deploy, plan, ring, run, serve, topo  # noqa: E402,F401  (the commands register themselves on `main`)
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
