@@ -522,3 +522,26 @@ def test_uncertain_facts_are_pinned(whole):
     g, u = torch.tensor([3.0]), torch.tensor([1.0])
     assert torch.allclose(mxfp4_moe_ref.glu_act(g, u, "situ", 4.0, 25.0),
                           4 * torch.tanh(g / 4) * torch.sigmoid(g) * 25 * torch.tanh(u / 25))
+
+
+def test_mixed_batch_each_group_on_its_fast_path_matches_separate_runs(ckpt):
+    """A batch mixing decode steps of several sessions with a prefill chunk of another (continuous batching)
+    gives every span the logits it gets alone: the decode steps go through the decode kernels (KDA decode,
+    absorbed MLA decode), the chunk through the varlen paths; a bug in either group's path, or in how their
+    rows are put back together, changes some span's logits."""
+    pipe = Pipeline.load(ckpt, 1, max_sessions=8, max_tokens=1024, block_size=8)
+    alone = Pipeline.load(ckpt, 1, max_sessions=8, max_tokens=1024, block_size=8)
+    prompts = {"a": TOKS[:5], "b": TOKS[3:12], "c": TOKS[7:10]}
+    for p in (pipe, alone):
+        for sid, toks in prompts.items():
+            p.open(sid)
+            p.forward([Span(sid, 0, len(toks))], torch.tensor(toks))
+    chunk = TOKS[:7]
+    pipe.open("d")
+    alone.open("d")
+    spans = [Span("a", 5, 1), Span("d", 0, 7), Span("b", 9, 1), Span("c", 3, 1)]
+    toks = torch.tensor([TOKS[5]] + chunk + [TOKS[12], TOKS[10]])
+    got = pipe.forward(spans, toks, logits="last")
+    want = torch.stack([alone.forward([sp], toks[i:i + sp.length], logits="last")[0]
+                        for sp, i in zip(spans, [0, 1, 8, 9])])
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()

@@ -109,6 +109,25 @@ class Batch:
         return self.memo("rows", lambda: self.cache.rows(self.spans, self.device))
 
     @property
+    def parts(self) -> tuple[list[int], list[int]] | None:
+        """For a batch that mixes one-token spans (decode steps) with longer ones (prefill chunks, verify
+        spans): (indices of the one-token spans, indices of the others), so that each group takes its own
+        fast path; None when the batch is all one kind."""
+        if not hasattr(self, "_parts"):
+            one = [i for i, s in enumerate(self.spans) if s.length == 1]
+            self._parts = (one, [i for i in range(len(self.spans)) if self.spans[i].length != 1]) \
+                if one and len(one) < len(self.spans) else None
+        return self._parts
+
+    def sub(self, idx: list[int]) -> "Batch":
+        """The batch of just these spans (their token rows are `token_index(idx)` of this one)."""
+        return Batch([self.spans[i] for i in idx], self.cache, self.device)
+
+    def token_index(self, idx: list[int]) -> torch.Tensor:
+        cu = self.cu_seqlens
+        return torch.tensor([t for i in idx for t in range(cu[i], cu[i + 1])], dtype=torch.long, device=self.device)
+
+    @property
     def verify(self) -> list[int]:
         """Indices of the verify spans (speculative decoding), whose layers keep a rollback checkpoint."""
         if not hasattr(self, "_verify"):
@@ -142,7 +161,19 @@ class ShortConv(nn.Module):
             state[rows] = win[..., 1:]
             return F.silu(out)
         out = torch.empty_like(xf)
+        one = [i for i in range(len(cu_seqlens) - 1) if cu_seqlens[i + 1] - cu_seqlens[i] == 1]
+        if len(one) > 1:  # the decode steps of a mixed batch: one vectorised window, as in decode
+            ti = torch.tensor([cu_seqlens[i] for i in one], dtype=torch.long, device=xf.device)
+            ri = rows[one]
+            win = torch.cat([state[ri], xf[ti].unsqueeze(-1)], -1)  # [b, C, K]
+            out[ti] = (win * w).sum(-1)
+            state[ri] = win[..., 1:]
+            one = set(one)
+        else:
+            one = ()
         for i in range(len(cu_seqlens) - 1):
+            if i in one:
+                continue
             s, e = cu_seqlens[i], cu_seqlens[i + 1]
             row = int(rows[i])
             win = torch.cat([state[row], xf[s:e].T], -1)  # [C, K-1+T]
@@ -200,6 +231,14 @@ class KimiDeltaAttention(nn.Module):
         scale, lb = K ** -0.5, self.cfg.kda_gate_lower_bound
         if batch.decode:
             o = ops.kda_decode(q, k, v, a, b, *args, batch.rows, scale, lb)
+        elif batch.parts is not None:  # mixed: decode steps through the decode kernel, the rest varlen
+            one, multi = batch.parts
+            ti, tm = batch.token_index(one), batch.token_index(multi)
+            o = torch.empty_like(q)
+            o[ti] = ops.kda_decode(q[ti], k[ti], v[ti], a[ti], b[ti], *args, batch.rows[one], scale, lb)
+            sub = batch.sub(multi)
+            cu = torch.tensor(sub.cu_seqlens, dtype=torch.int32, device=batch.device)
+            o[tm] = ops.kda_prefill(q[tm], k[tm], v[tm], a[tm], b[tm], *args, cu, batch.rows[multi], scale, lb)
         else:
             cu = batch.memo("cu", lambda: torch.tensor(batch.cu_seqlens, dtype=torch.int32, device=batch.device))
             o = ops.kda_prefill(q, k, v, a, b, *args, cu, batch.rows, scale, lb)
@@ -289,6 +328,12 @@ class GatedMLA(nn.Module):
         scale = c.q_head_dim ** -0.5
         if self.mode == "absorbed" or (self.mode == "auto" and batch.decode):
             o = self._absorbed(q_nope, q_pe, w_uk, w_uv, pool, batch, scale)
+        elif self.mode == "auto" and batch.parts is not None:  # mixed: each group on its own fast path
+            one, multi = batch.parts
+            ti, tm = batch.token_index(one), batch.token_index(multi)
+            o = torch.empty(N, H, c.v_head_dim, dtype=q_nope.dtype, device=q_nope.device)
+            o[ti] = self._absorbed(q_nope[ti], q_pe[ti], w_uk, w_uv, pool, batch.sub(one), scale)
+            o[tm] = self._naive(q_nope[tm], q_pe[tm], w_uk, w_uv, flat, batch.sub(multi), scale)
         else:
             o = self._naive(q_nope, q_pe, w_uk, w_uv, flat, batch, scale)
         o = o.reshape(N, H * c.v_head_dim)
