@@ -307,6 +307,9 @@ def _check_claim(h: Mapping[str, Any]) -> None:
         raise ProtocolError("claim frame needs a non-negative integer 'epoch'")
     if h.get("op", "request") not in ("request", "commit", "release"):
         raise ProtocolError(f"claim frame: unknown op {h.get('op')!r}")
+    since = h.get("since")  # shown with fmt_time later: a str / nan / 1e300 would raise there
+    if since is not None and (not isinstance(since, (int, float)) or isinstance(since, bool) or not 0 <= since < 1e11):
+        raise ProtocolError("claim frame: 'since' must be a unix time or nil")
     rep = h.get("replaces")
     if rep is not None and (not isinstance(rep, dict) or not isinstance(rep.get("node"), str)
                             or not isinstance(rep.get("epoch"), int) or isinstance(rep.get("epoch"), bool)):

@@ -76,11 +76,25 @@ _FROM_NUMPY = {"bool": "bool", "uint8": "uint8", "int8": "int8", "int16": "int16
                "float16": "float16", "float32": "float32", "float64": "float64"}
 
 
+MAX_ERROR_MESSAGE = 500  # characters of a ProtocolError's message (they quote what the peer sent)
+
+
 class ProtocolError(Exception):
     """The peer sent something that is not a valid frame (or broke the protocol's rules).
-    Raised by FrameDecoder.buffer_updated with `frames`: the frames completed before the error."""
+    Raised by FrameDecoder.buffer_updated with `frames`: the frames completed before the error.
+
+    The message is cut to MAX_ERROR_MESSAGE characters: messages quote values the peer sent (a `kind`,
+    a shape, a field), which may be up to a header (1 MiB) long, and every rejected frame is logged and
+    answered with its reason."""
 
     frames: list = []
+
+    def __init__(self, *args: Any):
+        if args and isinstance(args[0], str) and len(args[0]) > MAX_ERROR_MESSAGE:
+            m = args[0]
+            args = (f"{m[:MAX_ERROR_MESSAGE - 40]}... [{len(m) - MAX_ERROR_MESSAGE + 40} more characters]",
+                    *args[1:])
+        super().__init__(*args)
 
 
 # ------------------------------------------------------------------------------------------ tensors
@@ -394,9 +408,10 @@ def decode_header(hb: bytes | memoryview, payload_len: int) -> dict[str, Any]:
     kind = header.get("kind")
     if type(kind) is not str or not kind:
         raise ProtocolError("frame header has no string 'kind'")
-    descs = header.get("tensors")
-    if descs is not None:
+    if "tensors" in header:  # (also "tensors": nil, which Frame.tensors / has() would trip over)
         validate_tensors(header, payload_len)
+    elif payload_len:
+        raise ProtocolError(f"frame {kind[:64]!r} declares a {payload_len}-byte payload but no tensors")
     return header
 
 
@@ -412,6 +427,7 @@ def validate_tensors(header: Mapping[str, Any], payload_len: int) -> list[dict[s
     if len(descs) > MAX_TENSORS:
         raise ProtocolError(f"{len(descs)} tensors in one frame (limit {MAX_TENSORS})")
     names: set[str] = set()
+    end = 0
     for i, d in enumerate(descs):
         if type(d) is not dict:
             raise ProtocolError(f"tensor descriptor {i} is not a map")
@@ -438,4 +454,8 @@ def validate_tensors(header: Mapping[str, Any], payload_len: int) -> list[dict[s
             raise _bad_tensor(i, name, f"nbytes {n} != prod({shape}) * {DTYPES[dtype]} = {want}")
         if off + n > payload_len:
             raise _bad_tensor(i, name, f"bytes [{off}, {off + n}) lie outside the {payload_len}-byte payload")
+        end = max(end, off + n)
+    if payload_len > end:  # bytes no tensor covers: nothing may make us allocate (and read) those
+        raise ProtocolError(f"frame payload of {payload_len} bytes extends {payload_len - end} bytes past its "
+                            f"last tensor")
     return descs
