@@ -9,6 +9,7 @@ import random
 import secrets
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -319,3 +320,31 @@ def test_long_prompt_is_prefilled_in_chunks_without_stalling_running_decodes(ckp
     first_b = events.index("b")
     # B's prefill takes 30 rounds; A must have kept decoding during them (not 1-2 tokens then a stall)
     assert events[:first_b].count("a") >= 20, events
+
+
+def test_state_a_stage_holds_for_no_live_session_is_freed(ckpt):
+    """A session opened on a stage that the entry never knew (a hostile or stale forward at position 0)
+    is freed by the entry's periodic `retain`; live sessions are kept."""
+    async def go():
+        async with Ring(topo_even(ckpt, 2), ckpt, retain_every_s=0.5) as ring:
+            s1 = ring.daemons[1]
+            peer = await open_connection("127.0.0.1", s1.port, ring.secret, "peer")
+            D = TINY_K3.hidden_size
+            await peer.send(forward_frame([Segment("orphan", 0, 0, 2)], np.zeros((2, D), np.float32),
+                                          np.zeros((1, 2, D), np.float32), layer=3))
+            deadline = time.time() + 10
+            while not s1.runner.cache.has("orphan") and time.time() < deadline:
+                await asyncio.sleep(0.05)
+            assert s1.runner.cache.has("orphan")
+            c = await ring.client()
+            task = asyncio.create_task(c.generate(TOKS, SamplingParams(max_tokens=40)))
+            while s1.runner.cache.has("orphan") and time.time() < deadline:
+                await asyncio.sleep(0.05)
+            freed = not s1.runner.cache.has("orphan")
+            r = await task
+            c.close()
+            peer.close()
+            return freed, r.tokens
+
+    freed, tokens = run(go())
+    assert freed and len(tokens) == 40

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
-from p2pk3.transport.codec import Frame
+from p2pk3.transport.codec import Frame, ProtocolError
 from p2pk3.transport.messages import ErrorCode, error_frame
 
 from .manifest import Manifest, ManifestError, safe_name
@@ -137,16 +137,29 @@ def _server(daemon) -> FileServer:
     return srv
 
 
+MIN_MBPS = 1.0  # a requester may slow a transfer down, not stall the connection
+
+
+def _request_id(h) -> int | None:
+    rid = h.get("request_id")
+    if rid is not None and (not isinstance(rid, int) or isinstance(rid, bool) or not 0 <= rid < 1 << 63):
+        raise ProtocolError("file request: request_id must be a non-negative integer")
+    return rid
+
+
 async def handle_file_list(daemon, conn, f) -> None:
     """The daemon's `file_list` handler."""
-    rid = f.header.get("request_id")
+    rid = _request_id(f.header)
     await conn.send(Frame.make("file_index", request_id=rid, **_server(daemon).listing()))
 
 
 async def handle_file_get(daemon, conn, f) -> None:
     """The daemon's `file_get` handler: one chunk of a manifest file, or an error frame (never a crash)."""
     h = f.header
-    rid = h.get("request_id")
+    rid = _request_id(h)
+    p = h.get("path")
+    if not isinstance(p, str) or len(p) > 4096:
+        raise ProtocolError("file_get: path must be a string of at most 4096 characters")
     srv = _server(daemon)
     try:
         offset, length = h.get("offset", 0), h.get("length", CHUNK)
@@ -158,6 +171,7 @@ async def handle_file_get(daemon, conn, f) -> None:
         n = min(length, CHUNK, size - offset)
         cap = h.get("max_mbps")
         if isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap > 0:
+            cap = max(float(cap), MIN_MBPS)
             per = getattr(conn, "_p2pk3_bucket", None)
             if per is None or per.rate != cap * MB:
                 per = TokenBucket(cap * MB)

@@ -85,6 +85,7 @@ class Coordinator:
         self._task: asyncio.Task | None = None
         self.started = time.monotonic()
         self.events: list[dict] = []  # detection / recovery log (status, tests, docs)
+        self._last_retain = time.monotonic()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="failover")
@@ -158,6 +159,7 @@ class Coordinator:
                 entry = self.d.entry
             if entry is not None:
                 entry.expire(self.d.opts.unit_timeout_s)
+                await self._retain_now_and_then(entry)
             self._scan()
             if not self.down:
                 if self.unavailable or (entry is not None and entry.paused):
@@ -169,6 +171,18 @@ class Coordinator:
                 raise
             except Exception:
                 log.exception("repair failed; retrying")
+
+    async def _retain_now_and_then(self, entry) -> None:
+        """Every `retain_every_s` the stages learn which sessions are alive (`retain`): state that a lost
+        `free` (a link that broke), a failed request or a hostile peer left behind is freed, so a stage's
+        rows never fill up with sessions nobody will finish."""
+        now = time.monotonic()
+        if now - self._last_retain < self.d.opts.retain_every_s or entry.paused or self.down:
+            return
+        self._last_retain = now
+        live = [(s.id, s.epoch) for s in entry.live()]
+        await self.d.broadcast(retain_frame(live), stages_only=True)
+        self.d.retain(dict(live))
 
     async def _repair(self) -> None:
         entry = self.d.entry

@@ -25,5 +25,6 @@ class NodeOptions:
     send_timeout_s: float = 10.0  # a frame the successor does not take within this is a dead link
     unit_timeout_s: float = 120.0  # a request unit with no answer from the ring for this long fails
     startup_grace_s: float = 15.0  # a slot never seen up is taken over only after this long
+    retain_every_s: float = 30.0  # the entry tells the stages which sessions are alive (frees leftovers)
     # fault injection (tests; the hooks sit in the production receive paths)
     drop_beacons: bool = False
