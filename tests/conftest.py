@@ -20,7 +20,22 @@ if not _has_cuda:
     _torch.set_num_threads(1)
 
 
+import asyncio  # noqa: E402
+
 import pytest  # noqa: E402
+
+
+def run(coro, timeout: float = 30.0, loop: str = "asyncio"):
+    """Run a test coroutine with a deadline (`loop="uvloop"` on uvloop): nothing in a test waits forever.
+    Test modules import it: `from conftest import run`."""
+    async def guarded():
+        return await asyncio.wait_for(coro, timeout)
+    factory = None
+    if loop == "uvloop":
+        import uvloop
+        factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as r:
+        return r.run(guarded())
 
 
 @pytest.fixture(scope="session")

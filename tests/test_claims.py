@@ -10,6 +10,7 @@ from p2pk3.node.claims import (
     ClaimRefused, ClaimTable, claim_frame, connection_asker, handle_claim, negotiate_claim,
 )
 from p2pk3.transport.connection import serve
+from conftest import run as _run  # the one deadline-guarded runner
 
 SECRET = b"claims-secret-0123456789abcdef!!"
 
@@ -22,10 +23,8 @@ class Clock:
         return self.t
 
 
-def run(coro, timeout: float = 20.0):
-    async def guarded():
-        return await asyncio.wait_for(coro, timeout)
-    return asyncio.run(guarded())
+def run(coro):
+    return _run(coro, 20.0)
 
 
 class Net:
@@ -159,7 +158,12 @@ def test_race_exactly_one_winner(seed):
                 return e
 
         res = await asyncio.gather(*(go(n) for n in ("B", "C", "D")))
-        await asyncio.sleep(0.05)  # commit notifications
+        winner = next(r.node for r in res if not isinstance(r, Exception))
+        deadline = asyncio.get_running_loop().time() + 5
+        while any(t.node_id != winner and (t.holder("s9") is None or t.holder("s9").node != winner)
+                  for t in tables.values()):  # the commit notifications are on their way
+            assert asyncio.get_running_loop().time() < deadline, "commit notifications never arrived"
+            await asyncio.sleep(0.01)
         return tables, res
 
     tables, res = run(main())

@@ -14,6 +14,7 @@ from p2pk3.transport.connection import (
 )
 from p2pk3.transport.codec import Frame
 from p2pk3.transport.decoder import FrameDecoder
+from conftest import run as _run  # the one deadline-guarded runner
 
 SECRET = b"k" * 32
 LOG = "p2pk3.transport"
@@ -26,12 +27,8 @@ except ImportError:  # pragma: no cover
 LOOPS = ["asyncio"] + (["uvloop"] if uvloop is not None else [])
 
 
-def run(coro, loop: str = "asyncio", timeout: float = 20.0):
-    async def guarded():
-        return await asyncio.wait_for(coro, timeout)
-    factory = uvloop.new_event_loop if loop == "uvloop" else None
-    with asyncio.Runner(loop_factory=factory) as r:
-        return r.run(guarded())
+def run(coro, loop: str = "asyncio"):
+    return _run(coro, 20.0, loop)
 
 
 async def echo(conn):
@@ -362,7 +359,11 @@ def test_backpressure_pauses_reading():
 
         async with await serve("127.0.0.1", 0, SECRET, "srv", burst) as srv:
             c = await open_connection("127.0.0.1", srv.port, SECRET, "c", max_queued=4)
-            await asyncio.sleep(0.3)
+            deadline = asyncio.get_running_loop().time() + 5
+            while len(c._queue) < 4:  # frames arrive until reading pauses
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)  # and then no more come: this wait is the point of the test
             assert 4 <= len(c._queue) <= 6  # reading paused; the rest waits in the kernel / the sender
             got = []
             for _ in range(40):

@@ -10,6 +10,7 @@ import pytest
 
 from p2pk3.node.claims import ClaimTable
 from p2pk3.node.discovery import Discovery, beacon_key, decode_beacon, encode_beacon, BeaconError
+from conftest import run as _run  # the one deadline-guarded runner
 
 SECRET = b"cluster-secret-0123456789abcdef"
 BCAST = "127.255.255.255"  # the loopback broadcast route: delivered to every socket bound to the port
@@ -29,10 +30,8 @@ def mk(node: str, port: int, secret: bytes = SECRET, cluster: str = "test", **kw
                      beacon_addrs=[BCAST], bind="0.0.0.0", **kw)
 
 
-def run(coro, timeout: float = 20.0):
-    async def guarded():
-        return await asyncio.wait_for(coro, timeout)
-    return asyncio.run(guarded())
+def run(coro):
+    return _run(coro, 20.0)
 
 
 def test_beacon_codec():

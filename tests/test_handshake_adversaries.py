@@ -34,16 +34,16 @@ from p2pk3.transport.connection import (
     serve,
 )
 
+from conftest import run as _run  # the one deadline-guarded runner
+
 SECRET = b"s" * 32
 OTHER = b"not-the-cluster-secret-012345678"
 LOG = "p2pk3.transport"
 WAIT = 5.0  # seconds for any single wait
 
 
-def run(coro, timeout: float = 30.0):
-    async def guarded():
-        return await asyncio.wait_for(coro, timeout)
-    return asyncio.run(guarded())
+def run(coro):
+    return _run(coro, 30.0)
 
 
 # ------------------------------------------------------------------ the documented wire format, by hand

@@ -25,6 +25,7 @@ from p2pk3.transport.connection import AuthenticationError, open_connection
 from p2pk3.node.options import NodeOptions
 from p2pk3.transport.codec import Frame
 from p2pk3.transport.messages import Segment, forward_frame
+from conftest import run as _run  # the one deadline-guarded runner
 
 TOKS = [5, 17, 300, 42, 42, 7, 99, 123, 511, 0, 1, 2, 3, 250, 260, 270, 280, 14, 15]
 
@@ -62,10 +63,15 @@ class Ring:
         self.daemons = []
 
     async def __aenter__(self):
-        for s in self.topo.active:
-            d = NodeDaemon(self.topo, s.id, model_dir=self.ckpt, secret=self.secret, options=NodeOptions(**self.kw))
-            await d.start()
-            self.daemons.append(d)
+        try:
+            for s in self.topo.active:
+                d = NodeDaemon(self.topo, s.id, model_dir=self.ckpt, secret=self.secret,
+                               options=NodeOptions(**self.kw))
+                await d.start()
+                self.daemons.append(d)
+        except BaseException:  # a daemon that fails to start: the ones already up are stopped too
+            await self.__aexit__()
+            raise
         return self
 
     async def __aexit__(self, *exc):
@@ -81,7 +87,7 @@ class Ring:
 
 
 def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 240))
+    return _run(coro, 240.0)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, "split"])

@@ -24,12 +24,12 @@ from p2pk3.engine.reference import configure_cpu_threads, load_stage
 from p2pk3.model.config import K3Config
 from p2pk3.topology import Topology
 from p2pk3.transport.codec import Frame, ProtocolError
-from p2pk3.transport.connection import (AuthenticationError, ConnectionClosed, TransportError, open_connection,
-                                        serve)
+from p2pk3.transport.connection import ConnectionClosed, TransportError, open_connection, serve
 from p2pk3.transport.messages import (ErrorCode, Result, error_frame, free_frame, parse_free, parse_result,
                                       pong_frame, result_frame, status_frame)
 
-from .claims import ClaimTable, connection_asker, handle_claim, negotiate_claim
+from .claiming import claim_slot
+from .claims import ClaimTable, handle_claim
 from .discovery import Discovery
 from .entry import Entry
 from .failover import Coordinator, parse_retain, parse_takeover
@@ -43,10 +43,6 @@ from .stage_runner import HeadOut, HopOut, StageRunner, hop_frame, model_plan, t
 from .worker import Free, Retain, StageWorker
 
 log = logging.getLogger("p2pk3.node")
-
-
-class WrongSecret(RuntimeError):
-    """Every reachable peer refused this node's handshake proof."""
 
 
 class NodeDaemon:
@@ -245,64 +241,7 @@ class NodeDaemon:
         return o.advertise_host or (self.host if self.host not in ("0.0.0.0", "") else "127.0.0.1")
 
     async def _claim_slot(self, slot_id: str, replaces: tuple[str, int] | None = None) -> None:
-        """Take `slot_id` with an epoch above any seen: ask every discovered node and the static address of
-        every other slot; a live holder refuses and we stop with its reason (ClaimRefused)."""
-        addrs: dict[str, tuple[str, int]] = {}
-        if self.discovery is not None:
-            for nid, p in self.discovery.peers().items():
-                addrs[nid] = p.address
-        mine = {(self.host, self.port), (self.advertised_host, self.port)}
-        for sid in [s.id for s in self.topo.slots]:
-            try:
-                a = self.routes.address(sid)
-            except ConnectionError:
-                continue
-            if a not in mine and a not in addrs.values():
-                addrs[f"addr:{sid}"] = a
-        await self._check_secret(addrs)
-        by_id = connection_asker(addrs, self.secret, self.node_id, connect_timeout=1.0)
-
-        async def ask(peer, frame):
-            if not peer.startswith("addr:"):
-                return await by_id(peer, frame)
-            conn = await open_connection(*addrs[peer], self.secret, self.node_id, timeout=1.0, handshake_timeout=1.0)
-            try:  # we do not know its node id: ask whoever answers there
-                await conn.send(frame)
-                return await conn.recv() if frame.header.get("op", "request") == "request" else None
-            finally:
-                conn.close("claim done")
-
-        async def notify(peer, frame):
-            try:
-                await ask(peer, frame)
-            except Exception:
-                pass
-
-        self.claim = await negotiate_claim(self.claims, slot_id, list(addrs), ask, timeout=2.0, notify=notify,
-                                           replaces=replaces)
-        if self.discovery is not None:
-            self.discovery.update(slot=slot_id, epoch=self.claim.epoch, since=self.claim.since, standby=False
-                                  if not self.topo.slot(slot_id).standby else True)
-        log.info("claimed slot %s (epoch %d)", slot_id, self.claim.epoch)
-
-    async def _check_secret(self, addrs: dict[str, tuple[str, int]]) -> None:
-        """Refuse to claim a slot when every peer we reach refuses our proof: our secret is wrong (a node
-        alone by design — no other reachable peer — may go on)."""
-        async def one(a):
-            try:
-                c = await open_connection(*a, self.secret, self.node_id, timeout=1.0, handshake_timeout=1.0)
-                c.close("secret check")
-                return "ok"
-            except AuthenticationError as e:
-                return e
-            except Exception:
-                return None  # unreachable: cannot tell
-
-        res = await asyncio.gather(*(one(a) for a in addrs.values()))
-        refused = [r for r in res if isinstance(r, AuthenticationError)]
-        if refused and "ok" not in res:
-            raise WrongSecret(f"every peer reached ({len(refused)}) refused this node's proof: the cluster secret "
-                              f"({self.topo.cluster.secret_file}) differs from theirs ({refused[0]})")
+        self.claim = await claim_slot(self, slot_id, replaces)
 
     async def take_over(self, slot_id: str, replaces: tuple[str, int] | None) -> Route:
         """A standby becomes `slot_id`: load exactly that slot's weights, claim it at a new epoch, serve."""
