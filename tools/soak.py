@@ -43,7 +43,7 @@ async def soak(args) -> None:
     want = [ref.generate([p], SamplingParams(max_tokens=n))[0] for p, n in zip(prompts, lengths)]
     del ref
     ring = LocalRing(model, args.nodes, standby=2, extra_args=["--max-sessions", str(max(64, args.sessions + 8))])
-    ring.start()
+    await asyncio.to_thread(ring.start)  # (LocalRing.start runs its own event loop for the probes)
     t0 = time.time()
     end = t0 + 60 * args.minutes
     kill_at, restart_at = t0 + 60 * args.minutes * 0.4, t0 + 60 * args.minutes * 0.6

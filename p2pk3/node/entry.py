@@ -75,6 +75,7 @@ class Session:
     pass_tokens: int = 0  # tokens those passes added
     proposed: int = 0
     accepted: int = 0
+    shadow: int | None = None  # the proposer's first guess for the next token while not drafting
     draft_ns: int = 0  # time spent drafting
     drafts: int = 0  # proposer calls
 
@@ -238,6 +239,13 @@ class Entry:
         else:
             k = kmax
         if k == 0:
+            # a shadow guess: what the proposer would draft first, checked against the token the ring
+            # returns, so the session keeps learning its acceptance while it does not speculate (and
+            # starts again when drafting would pay)
+            t0 = time.perf_counter_ns()
+            d = s.proposer.propose(s.tokens, 1)
+            s.draft_ns += time.perf_counter_ns() - t0
+            s.shadow = d[0] if d else None
             return ()
         t0 = time.perf_counter_ns()
         d = s.proposer.propose(s.tokens, k)
@@ -281,7 +289,11 @@ class Entry:
                 continue
             (self.verify_cost if s.sent_verify else self.pass_cost).observe(s.sent_width, 1000 * (now - s.t_sent))
             if s.proposer is not None:
-                s.draft_len.observe(s.inflight_draft, len(r.accepted))
+                if s.inflight_draft == 0 and s.shadow is not None and r.tokens:
+                    s.draft_len.observe(1, int(r.tokens[0] == s.shadow))  # the shadow guess, verified for free
+                else:
+                    s.draft_len.observe(s.inflight_draft, len(r.accepted))
+                s.shadow = None
                 s.proposed += s.inflight_draft
                 s.accepted += len(r.accepted)
                 s.passes += 1
