@@ -21,8 +21,19 @@ if not _has_cuda:
 
 
 import asyncio  # noqa: E402
+import contextlib  # noqa: E402
 
 import pytest  # noqa: E402
+
+
+@contextlib.contextmanager
+def local_ring(model_dir=None, nodes: int = 2, **kw):
+    """A LocalRing of `p2pk3 node` processes (the embedded model by default), started and always ended
+    (a daemon that fails to start ends the others too). `from conftest import local_ring`."""
+    from p2pk3.engine.reference import default_model_dir
+    from p2pk3.node.local import LocalRing
+    with LocalRing(model_dir or default_model_dir(), nodes, **kw) as r:
+        yield r
 
 
 def run(coro, timeout: float = 30.0, loop: str = "asyncio"):

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from p2pk3.cli import main
 from p2pk3.engine.reference import default_model_dir
 from p2pk3.frontends.repl import CommandError, Conversation, LineReader, command
-from p2pk3.node.local import LocalRing
+from conftest import local_ring
 from p2pk3.params import SamplingParams
 from p2pk3.tokenizer import ChatTokenizer
 
@@ -22,13 +22,8 @@ CHAT = [sys.executable, "-P", "-m", "p2pk3.cli", "chat", "--no-history"]
 
 @pytest.fixture(scope="module")
 def ring():
-    r = LocalRing(default_model_dir(), 2)
-    try:
-        r.start(timeout=120)
+    with local_ring(nodes=2) as r:
         yield r
-    finally:
-        r.stop()
-        r.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="module")

@@ -9,21 +9,15 @@ import pytest
 from rich.console import Console
 
 from p2pk3.cli.dashboard import render
-from p2pk3.engine.reference import default_model_dir
 from p2pk3.frontends.cluster_view import ClusterView
-from p2pk3.node.local import LocalRing
+from conftest import local_ring
 from p2pk3.params import SamplingParams
 
 
 @pytest.fixture(scope="module")
 def ring():
-    r = LocalRing(default_model_dir(), 2)
-    try:
-        r.start(timeout=120)
+    with local_ring(nodes=2) as r:
         yield r
-    finally:
-        r.stop()
-        r.__exit__(None, None, None)
 
 
 def dashboard_json(ring) -> dict:

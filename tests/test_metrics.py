@@ -4,9 +4,9 @@ import socket
 import urllib.request
 
 import pytest
+from conftest import local_ring
 
-from p2pk3.engine.reference import default_model_dir
-from p2pk3.node.local import LocalRing, free_ports
+from p2pk3.node.local import free_ports
 from p2pk3.node.metrics import memory_usage, start_metrics
 from p2pk3.params import SamplingParams
 
@@ -28,14 +28,9 @@ def scrape(port: int) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def ring():
     port = free_ports(1)[0]
-    r = LocalRing(default_model_dir(), 1, extra_args=["--metrics-port", str(port)])
-    r.metrics_port = port
-    try:
-        r.start(timeout=120)
+    with local_ring(nodes=1, extra_args=["--metrics-port", str(port)]) as r:
+        r.metrics_port = port
         yield r
-    finally:
-        r.stop()
-        r.__exit__(None, None, None)
 
 
 def test_counters_move_with_a_request(ring):

@@ -108,6 +108,23 @@ class Pipeline:
         finally:
             self.close(session)
 
+    def _prefill(self, prompts: list[list[int]], ids: list[str], prefill_chunk: int) -> list[torch.Tensor]:
+        """Chunked prefill of the sessions `ids` (opened): the last position's logits of each prompt."""
+        pos, last = [0] * len(prompts), [None] * len(prompts)
+        while any(pos[i] < len(p) for i, p in enumerate(prompts)):
+            spans, toks, who = [], [], []
+            for i, p in enumerate(prompts):
+                if pos[i] < len(p):
+                    n = min(prefill_chunk, len(p) - pos[i])
+                    spans.append(Span(ids[i], pos[i], n))
+                    toks.extend(p[pos[i]:pos[i] + n])
+                    pos[i] += n
+                    who.append(i)
+            lg = self.forward(spans, torch.tensor(toks, dtype=torch.long))
+            for row, i in enumerate(who):
+                last[i] = lg[row]
+        return last
+
     def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams,
                  prefill_chunk: int = 512, *, proposers: dict | None = None,
                  draft_policy: str = "fixed") -> list[list[int]]:
@@ -131,20 +148,7 @@ class Pipeline:
         for s in ids:
             self.open(s)
         try:
-            pos = [0] * len(prompts)
-            last = [None] * len(prompts)
-            while any(pos[i] < len(p) for i, p in enumerate(prompts)):  # chunked prefill
-                spans, toks, who = [], [], []
-                for i, p in enumerate(prompts):
-                    if pos[i] < len(p):
-                        n = min(prefill_chunk, len(p) - pos[i])
-                        spans.append(Span(ids[i], pos[i], n))
-                        toks.extend(p[pos[i]:pos[i] + n])
-                        pos[i] += n
-                        who.append(i)
-                lg = self.forward(spans, torch.tensor(toks, dtype=torch.long))
-                for row, i in enumerate(who):
-                    last[i] = lg[row]
+            last = self._prefill(prompts, ids, prefill_chunk)
             live = [i for i in range(len(prompts)) if params[i].max_tokens > 0]
             while live:
                 nxt = []
@@ -157,7 +161,7 @@ class Pipeline:
                 live = nxt
                 if not live:
                     break
-                spans = [Span(ids[i], pos[i] + len(outs[i]) - 1, 1) for i in live]
+                spans = [Span(ids[i], len(prompts[i]) + len(outs[i]) - 1, 1) for i in live]
                 lg = self.forward(spans, torch.tensor([outs[i][-1] for i in live], dtype=torch.long))
                 for row, i in enumerate(live):
                     last[i] = lg[row]
@@ -193,19 +197,7 @@ class Pipeline:
         for s in ids:
             self.open(s)
         try:
-            pos, last = [0] * len(prompts), [None] * len(prompts)
-            while any(pos[i] < len(p) for i, p in enumerate(prompts)):  # chunked prefill, as `generate`
-                spans, toks, who = [], [], []
-                for i, p in enumerate(prompts):
-                    if pos[i] < len(p):
-                        n = min(prefill_chunk, len(p) - pos[i])
-                        spans.append(Span(ids[i], pos[i], n))
-                        toks.extend(p[pos[i]:pos[i] + n])
-                        pos[i] += n
-                        who.append(i)
-                lg = self.forward(spans, torch.tensor(toks, dtype=torch.long))
-                for row, i in enumerate(who):
-                    last[i] = lg[row]
+            last = self._prefill(prompts, ids, prefill_chunk)
 
             def take(i: int, toks: list[int]) -> bool:  # append up to a stop id / max_tokens; True: go on
                 for t in toks:
