@@ -140,10 +140,12 @@ def _server(daemon) -> FileServer:
 MIN_MBPS = 1.0  # a requester may slow a transfer down, not stall the connection
 
 
-def _request_id(h) -> int | None:
+def _request_id(h) -> int | str | None:
     rid = h.get("request_id")
-    if rid is not None and (not isinstance(rid, int) or isinstance(rid, bool) or not 0 <= rid < 1 << 63):
-        raise ProtocolError("file request: request_id must be a non-negative integer")
+    ok = rid is None or (isinstance(rid, str) and len(rid) <= 64) or (
+        isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid < 1 << 63)
+    if not ok:
+        raise ProtocolError("file request: request_id must be a string of at most 64 characters or an integer")
     return rid
 
 

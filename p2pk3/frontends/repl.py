@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import math
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -253,6 +255,10 @@ def run_chat(client_factory: Callable[[], Awaitable], tokenizer, params: Samplin
     stdin, out, err = stdin or sys.stdin, out or sys.stdout, err or sys.stderr
     if interactive is None:
         interactive = stdin.isatty()
+    if interactive and threading.current_thread() is threading.main_thread():
+        # Ctrl-C must stop an answer even when we were started with SIGINT ignored (a background job of a
+        # non-interactive shell inherits SIG_IGN; asyncio.Runner then installs no handler)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     params = params or SamplingParams(max_tokens=tokenizer.generation_defaults.max_tokens(default=256))
     chat = Chat(client_factory, tokenizer, params, system=system, out=out, err=err, interactive=interactive)
     reader = LineReader(stdin, out, interactive, history_file if interactive else None)
