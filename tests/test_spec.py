@@ -515,3 +515,24 @@ def test_ring_replay_and_cancel_mid_verification(tiny, ckpt):
     assert [o.tokens for o in outs] == want[:3]
     assert all(o.stats["replays"] == 1 for o in outs)
     assert settled
+
+
+def test_speculation_options_reach_the_api_and_chat():
+    """The API takes `speculate` / `draft_tokens` (extension fields) into the request's SamplingParams and
+    refuses bad values naming the field; `p2pk3 chat` has the same flags as `generate`."""
+    from click.testing import CliRunner
+
+    from p2pk3.api.errors import ApiError
+    from p2pk3.api.schema import parse_request
+    from p2pk3.cli import main
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "speculate": "ngram", "draft_tokens": 4}
+    req = parse_request(body, "chat", 1000)
+    assert (req.speculate, req.draft_tokens) == ("ngram", 4)
+    assert parse_request({**body, "speculate": None, "draft_tokens": None}, "chat", 1000).speculate == "off"
+    for bad, field in (({"speculate": "eagle"}, "speculate"), ({"draft_tokens": 0}, "draft_tokens")):
+        with pytest.raises(ApiError) as e:
+            parse_request({**body, **bad}, "chat", 1000)
+        assert e.value.param == field
+    out = CliRunner().invoke(main, ["chat", "--help"]).output
+    assert "--speculate [off|ngram|suffix]" in out and "--draft-tokens" in out

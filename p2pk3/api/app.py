@@ -154,7 +154,8 @@ def _sampling(app, req: GenRequest, n_prompt: int) -> SamplingParams:
         top_p=d.top_p if req.top_p is None else float(req.top_p),
         top_k=d.top_k if req.top_k is None else req.top_k,
         seed=req.seed, max_tokens=max_tokens,
-        stop_ids=() if req.ignore_eos else tuple(tok.stop_ids))
+        stop_ids=() if req.ignore_eos else tuple(tok.stop_ids),
+        speculate=req.speculate, draft_tokens=req.draft_tokens)
 
 
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:

@@ -36,6 +36,8 @@ class GenRequest:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    speculate: str = "off"  # extension: speculative decoding through the ring (off | ngram | suffix)
+    draft_tokens: int = 8
 
 
 def _is_int(v) -> bool:
@@ -187,4 +189,8 @@ def parse_request(body: Any, kind: str, max_tokens_limit: int) -> GenRequest:
     req.seed = _opt(body, "seed", lambda v: _is_int(v) and 0 <= v <= MAX_SEED, f"an integer in [0, {MAX_SEED}]")
     req.stop = _stop(body.get("stop"))
     req.ignore_eos = bool(_opt(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false"))
+    spec = _opt(body, "speculate", lambda v: v in ("off", "ngram", "suffix"), '"off", "ngram" or "suffix"')
+    req.speculate = spec or "off"
+    k = _opt(body, "draft_tokens", lambda v: _is_int(v) and 1 <= v <= 16, "an integer in [1, 16]")
+    req.draft_tokens = 8 if k is None else k
     return req

@@ -39,11 +39,15 @@ def read_secret_file(path: str, param: str = "--secret-file") -> bytes:
 @click.option("--model", help=MODEL_HELP + " (with --local or --connect; else the topology's)")
 @click.option("--system", default=None, help="system prompt")
 @sampling_options
+@click.option("--speculate", type=click.Choice(["off", "ngram", "suffix"]), default="off", show_default=True,
+              help="speculative decoding: draft tokens by prompt lookup (ngram) or a cluster suffix index")
+@click.option("--draft-tokens", type=click.IntRange(1, 16), default=8, show_default=True,
+              help="with --speculate: the most drafted tokens per pass (the entry adapts below it)")
 @click.option("--history", "history_file", type=click.Path(dir_okay=False), default="~/.p2pk3_chat_history",
               show_default=True, help="readline history file")
 @click.option("--no-history", is_flag=True, help="keep no history file")
 def chat(topology_path, address, secret_file, local_nodes, model, system, max_tokens, temperature, top_k, top_p,
-         seed, history_file, no_history):
+         seed, speculate, draft_tokens, history_file, no_history):
     """Chat with the cluster: answers stream as they are generated; /help lists the commands.
 
     \b
@@ -73,7 +77,8 @@ def chat(topology_path, address, secret_file, local_nodes, model, system, max_to
         topo = Topology.load(topology_path)
     mdir = model_dir(model) if (model or not topo) else topology_model_dir(topo)
     tok = ChatTokenizer.from_pretrained(mdir)
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max(1, max_tokens))
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max(1, max_tokens),
+                            speculate=speculate, draft_tokens=draft_tokens)
     history = None if no_history else history_file
     ring = None
     if local_nodes:
