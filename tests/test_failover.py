@@ -105,6 +105,9 @@ def test_entry_failure_standby_takes_the_entry_and_clients_resume(ckpt, want):
     with _ring(ckpt) as ring:
         async def go():
             async def fault():
+                # the standby must have heard the entry once (its detector takes over only a slot that
+                # was up); its first heartbeats may have gone out before the entry listened
+                await asyncio.sleep(3 * 0.5 + 1.0)
                 ring.signal("s0", signal.SIGKILL)
             outs, t = await _sessions(ring, fault)
             return outs, t, await ring.state()
