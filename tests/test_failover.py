@@ -119,6 +119,33 @@ def test_entry_failure_standby_takes_the_entry_and_clients_resume(ckpt, want):
         assert entry and entry[0]["slot"] == "s0" and entry[0]["started_on"] == "s4", state
 
 
+def test_entry_never_heard_by_the_standby_is_taken_over_after_the_startup_grace(ckpt, want):
+    """The entry dies before the standby ever heard it (the spare is started after the kill): the standby
+    takes the entry once its start-up grace is over (NodeOptions.startup_grace_s, counted from its own
+    start), and every client resumes there."""
+    ring = _ring(ckpt)
+    try:
+        ring.start(standbys=False)
+
+        async def go():
+            async def fault():
+                await asyncio.sleep(1.5)  # every client connected (a new client waits 10 s for an entry)
+                ring.signal("s0", signal.SIGKILL)
+                ring.spawn("s4")
+            outs, t = await _sessions(ring, fault)
+            return outs, t, await ring.state()
+
+        outs, t_fault, state = asyncio.run(go())
+        print(f"\n[fault matrix] SIGKILL s0 (entry) before the standby started: every client resumed, "
+              f"{time.time() - t_fault:.2f} s after the kill")
+        assert outs == want
+        entry = [n for n in state["nodes"] if n["role"] == "entry"]
+        assert entry and entry[0]["slot"] == "s0" and entry[0]["started_on"] == "s4", state
+        assert "has not answered since this standby started" in ring.log_path("s4").read_text()
+    finally:
+        ring.stop()
+
+
 def test_killed_standby_changes_nothing_and_restarted_node_does_not_take_its_slot_back(ckpt, want):
     with _ring(ckpt) as ring:
         async def go():

@@ -77,6 +77,7 @@ class NodeDaemon:
         self.stopped = asyncio.Event()
         self.stop_reason: str | None = None
         self.stats = {"frames_in": 0, "errors": 0, "started": time.time()}
+        self.started_mono = time.monotonic()  # the start-up grace (NodeOptions.startup_grace_s) counts from here
         self.cfg: K3Config | None = None
         self._taking: asyncio.Task | None = None
         self._handlers = {
@@ -189,9 +190,15 @@ class NodeDaemon:
     def _maybe_take_entry(self) -> None:
         if self.role != "standby" or self.monitor is None or self._taking is not None:
             return
-        if Coordinator(self).entry_lost():
+        verdict = Coordinator(self).entry_lost()
+        if verdict is True:
             slot = self.topo.active[0].id
+            if self.monitor.state(slot).state != "dead":
+                log.warning("the entry slot %s has not answered since this standby started %.0f s ago: taking it over",
+                            slot, time.monotonic() - self.started_mono)
             self._taking = asyncio.create_task(self._take_over_entry(self.holder_of(slot, self.monitor.state(slot))))
+        elif verdict is not False:  # an entry never seen up: look again when the start-up grace is over
+            asyncio.get_running_loop().call_later(verdict, self._maybe_take_entry)
 
     async def _take_over_entry(self, replaces) -> None:
         slot = self.topo.active[0].id

@@ -241,13 +241,20 @@ class Coordinator:
         self.events.append({"event": "recovered", "t": time.time()})
 
     # ------------------------------------------------------------------ standby side
-    def entry_lost(self) -> bool:
-        """On a standby: is the entry slot dead and am I the standby that must take it?"""
+    def entry_lost(self) -> bool | float:
+        """On a standby: is the entry slot lost and am I the standby that must take it? Lost: DEAD (answered,
+        then stopped), or DOWN without ever answering once the start-up grace (counted from this daemon's
+        start) is over. Returns the seconds left of that grace when the entry has never answered yet, so
+        that the caller looks again then."""
         m = self.d.monitor
         entry_slot = self.d.topo.active[0].id
         ps = m.state(entry_slot)
-        if ps is None or ps.state != DEAD:
+        if ps is None or ps.state not in (DEAD, DOWN):
             return False
+        if ps.state == DOWN:
+            left = self.d.opts.startup_grace_s - (time.monotonic() - self.d.started_mono)
+            if left > 0:
+                return max(left, 0.05)
         live = [s.id for s in self.d.topo.standby
                 if s.id == self.d.slot_id or ((p := m.state(s.id)) is not None and p.state == UP
                                               and p.info.get("role") == "standby")]
