@@ -761,9 +761,9 @@ def write_eval_slice(out_dir: str | Path, tok, held_text: str, uni_counts: torch
 
 
 def write_model_card(out_dir: str | Path, cfg: K3Config, metrics: dict) -> None:
+    from tools.model_card import architecture_table
+
     c = cfg
-    lt = c.layer_types
-    mla1 = [i + 1 for i, t in enumerate(lt) if t == "mla"]
     size = metrics.get("export_bytes", 0) / 1e6
     samples_md = "\n".join(f"prompt {json.dumps(p, ensure_ascii=False)}\n```text\n{o[:400]}\n```\n"
                            for p, o in metrics.get("samples", []))
@@ -779,17 +779,7 @@ It is a toy: it has seen ~{metrics['tokens_seen'] / 1e3:.0f}K tokens. Do not exp
 
 ## Architecture (K3 layout, shrunk)
 
-| | this model | Kimi K3 |
-|---|---|---|
-| layers | {c.num_hidden_layers} (MLA at 1-indexed {mla1}, KDA elsewhere) | 93 (MLA at 4, 8, ..., 92, 93) |
-| hidden | {c.hidden_size} | 7168 |
-| KDA | {c.kda_num_heads} heads x {c.kda_head_dim}, conv {c.kda_conv_size}, gate lower bound {c.kda_gate_lower_bound}, full-rank output gate | 96 x 128 |
-| gated MLA (NoPE) | {c.num_attention_heads} heads, q_lora {c.q_lora_rank}, kv_lora {c.kv_lora_rank}, nope {c.qk_nope_head_dim} + rope-slot {c.qk_rope_head_dim}, v {c.v_head_dim} | 96 heads, 1536 / 512, 128 + 64, 128 |
-| dense layer 0 | SiTU-GLU {c.intermediate_size} | 33792 |
-| Stable LatentMoE | {c.num_experts} experts, top-{c.num_experts_per_token}, latent {c.routed_expert_hidden_size}, expert width {c.moe_intermediate_size}, {c.num_shared_experts} shared, sigmoid router + correction bias | 896, top-16, 3584, 3072, 2 shared |
-| AttnRes | block size {c.attn_res_block_size} | 12 |
-| vocab | {c.vocab_size} (byte-level BPE, 32 special slots) | 163840 |
-| routed experts on disk | MXFP4 (compressed-tensors `mxfp4-pack-quantized`) | same |
+{architecture_table(c)}
 
 Checkpoint layout as published for K3: `config.json` (`kimi_k3` wrapper with `text_config` and
 `quantization_config`), sharded safetensors with `model.safetensors.index.json`, text weights under

@@ -1,0 +1,113 @@
+"""The model card (README.md) of the embedded demo model, from the numbers tools/eval_demo.py measured."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from p2pk3.model.config import K3Config
+
+
+def _q_rows(qs: list[dict]) -> str:
+    rows = []
+    for q in qs:
+        a = " ".join(q["answer"].split()).replace("|", "\\|")
+        rows.append(f"| {q['kind']} | {q['question']} | {a[:300]} | {q['score']:.2f} |")
+    return "\n".join(rows)
+
+
+def architecture_table(c: K3Config) -> str:
+    """The markdown table of a small K3's shapes beside Kimi K3's (both model cards)."""
+    mla1 = [i + 1 for i, t in enumerate(c.layer_types) if t == "mla"]
+    return f"""| | this model | Kimi K3 |
+|---|---|---|
+| layers | {c.num_hidden_layers} (MLA at 1-indexed {mla1}, KDA elsewhere) | 93 (MLA at 4, 8, ..., 92, 93) |
+| hidden | {c.hidden_size} | 7168 |
+| KDA | {c.kda_num_heads} heads x {c.kda_head_dim}, conv {c.kda_conv_size}, gate lower bound {c.kda_gate_lower_bound}, full-rank output gate | 96 x 128 |
+| gated MLA (NoPE) | {c.num_attention_heads} heads, q_lora {c.q_lora_rank}, kv_lora {c.kv_lora_rank}, nope {c.qk_nope_head_dim} + rope-slot {c.qk_rope_head_dim}, v {c.v_head_dim} | 96 heads, 1536 / 512, 128 + 64, 128 |
+| dense layer 0 | SiTU-GLU {c.intermediate_size} | 33792 |
+| Stable LatentMoE | {c.num_experts} experts, top-{c.num_experts_per_token}, latent {c.routed_expert_hidden_size}, expert width {c.moe_intermediate_size}, {c.num_shared_experts} shared, sigmoid router + correction bias | 896, top-16, 3584, 3072, 2 shared |
+| AttnRes | block size {c.attn_res_block_size} | 12 |
+| vocab | {c.vocab_size} (byte-level BPE, 32 special slots laid out like Kimi's) | 163840 |
+| routed experts on disk | MXFP4 (compressed-tensors `mxfp4-pack-quantized`) | same |"""
+
+
+def write_card(out_dir: str | Path, m: dict) -> None:
+    out_dir = Path(out_dir)
+    c = K3Config.from_pretrained(out_dir)
+    a, h, tr, d = m["args"], m["heldout"], m["train"], m["data"]
+    ring = m.get("ring")
+    ring_line = (f"| this checkpoint through a {ring['nodes']}-node local ring (`p2pk3 node` daemons), first "
+                 f"{ring['windows']} windows | {ring['ppl_ring']:.2f} (one process on the same windows: "
+                 f"{ring['ppl_one_process']:.2f}) | |" if ring else "")
+    chars = {k: v["chars"] / 1e6 for k, v in d.items()}
+    card = f"""# k3-docs
+
+A {m['params_m']:.1f}M-parameter model with **exactly the Kimi K3 architecture** (text tower), trained from
+scratch on 2 CPU cores in {tr['minutes']['pretrain'] + tr['minutes']['chat']:.0f} minutes on the Python 3.11
+documentation and the Linux manual pages, then fine-tuned on question/answer pairs in the K3 chat format.
+It is the embedded default model of p2pk3 ({m['export_bytes'] / 1e6:.1f} MB): every code path of the engine
+(KDA, gated MLA, AttnRes, Stable LatentMoE with MXFP4 experts) and of the chat front ends runs on it.
+
+It is a small demo: it has seen {tr['tokens_seen_pretrain'] / 1e6:.2f}M tokens of text. Its answers are
+fluent documentation-style English on the right topic, often wrong in the details. Do not trust facts.
+
+## Architecture (K3 layout, shrunk)
+
+{architecture_table(c)}
+
+Checkpoint layout as published for K3: `config.json` (`kimi_k3` wrapper with `text_config` and
+`quantization_config`), sharded safetensors with `model.safetensors.index.json`, text weights under
+`language_model.`, bf16 except the fp32 KDA conv / `A_log` / `dt_bias` / `o_norm` and router correction bias,
+routed experts as `weight_packed` / `weight_scale` uint8. Chat format (Jinja template in
+`tokenizer_config.json`): `<|im_user|>user<|im_middle|>...<|im_end|><|im_assistant|>assistant<|im_middle|>`;
+stop ids `[EOS]` and `<|im_end|>`.
+
+## Data
+
+| source | licence | train / validation / held-out characters |
+|---|---|---|
+| Python 3.11 documentation, reStructuredText sources (Debian `python3.11-doc`), markup stripped to prose and code blocks | PSF License Agreement; since 3.8.6 the code examples and recipes in it are dual-licensed PSF / Zero-Clause BSD (`license.rst` of the sources, `/usr/share/doc/python3.11-doc/copyright`) | together with the man pages: {chars['train']:.2f}M / {chars['val']:.2f}M / {chars['heldout']:.2f}M |
+| Linux man-pages project 6.03 (Debian `manpages`, `manpages-dev`), rendered with groff | per page, as recorded in Debian's `copyright` file: about 1,430 pages under the "Linux-man-pages-copyleft" licence (verbatim and modified copies allowed if the permission notice is kept), about 730 GPL-2.0+/GPL-1.0+/GPL-2.0, about 220 BSD (4-, 3-, 2-clause), 1 Expat; all in Debian main (the non-free POSIX pages, in `manpages-posix`, are not used) | |
+
+Documents ({d['train']['documents']} train, {d['val']['documents']} validation, {d['heldout']['documents']}
+held out) are split by a hash of their name; paragraphs of held-out (validation) documents are removed from
+the other splits, and paragraphs repeated across documents are kept once. The tokenizer saw the train split
+only. The held-out documents (listed in `heldout_docs.json`) are used only for the numbers below. Note: the previous demo model (`tiny-k3-pydoc`) was trained on
+CPython's `pydoc_data.topics`, which overlaps the language-reference part of these documents.
+
+## Training
+
+`python -m tools.train_docs --minutes {a['minutes']:g} --chat-minutes {a['chat_minutes']:g} --run runs/k3-docs --export p2pk3/assets/k3-docs`
+(seed {a['seed']}, resumable with `--resume`). Phase 1: {tr['steps']['pretrain']} AdamW steps of {a['batch']} x {a['seq']}
+tokens of text (warmup + cosine, peak lr {a['lr']:g}, weight decay {a['wd']:g}), {tr['minutes']['pretrain']:.0f} min.
+Phase 2: {tr['steps']['chat']} steps on {m['chat_pairs_train']} question/answer pairs built from the train
+documents (a defined name or heading -> "What does X do?" / "What is X?", its first paragraph -> the answer), rendered
+with the chat template (30% with a system prompt), loss on the answer only, a quarter of each batch plain text,
+{tr['minutes']['chat']:.0f} min. Routed experts trained quantization-aware (MXFP4 fake quantization, straight-through
+gradient); router correction bias set by quantile balancing (no aux loss). {a['threads']} CPU threads, Python
+{m['python']}, torch {m['torch']}. Loss curves: `loss.png` of the run.
+
+## Quality (held-out documents, first 2,000 characters of each, windows of {a['seq']} tokens)
+
+| | perplexity | bits per byte |
+|---|---|---|
+| fp32 master weights (QAT forward) | {h['master']['ppl']:.2f} | {h['master']['bpb']:.3f} |
+| this checkpoint (bf16 + MXFP4 experts, real loader), fp32 compute | {h['mxfp4']['ppl']:.2f} | {h['mxfp4']['bpb']:.3f} |
+| this checkpoint, bf16 compute | {h['mxfp4_bf16']['ppl']:.2f} | {h['mxfp4_bf16']['bpb']:.3f} |
+{ring_line}
+
+The comparison with the previous demo model (bits per byte: the tokenizers differ) is in docs/quality.md.
+
+## Questions (greedy, up to 64 tokens; score = fraction of the answer's content words found in the reference paragraph)
+
+| | question | answer | score |
+|---|---|---|---|
+{_q_rows(m['questions'])}
+
+## License / provenance
+
+Weights trained by p2pk3 from random initialisation on the texts above; the licences of the training texts
+are listed under Data.
+"""
+    (out_dir / "README.md").write_text(card)
+    (out_dir / "heldout_docs.json").write_text(json.dumps(m["heldout_docs"], indent=0) + "\n")
