@@ -22,8 +22,25 @@ if not _has_cuda:
 
 import asyncio  # noqa: E402
 import contextlib  # noqa: E402
+import random  # noqa: E402
 
 import pytest  # noqa: E402
+
+
+@pytest.fixture
+def seed():
+    """A fresh random seed per test (torch and random), printed on failure by the tests; P2PK3_TEST_SEED
+    replays one."""
+    s = int(os.environ.get("P2PK3_TEST_SEED") or random.randrange(2**31))
+    _torch.manual_seed(s)
+    random.seed(s)
+    return s
+
+
+def rel(a, b) -> float:
+    """Relative error |a - b| / |b| in float64 (kernels against references). `from conftest import rel`."""
+    a, b = a.double().cpu(), b.double().cpu()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ from p2pk3.tokenizer import ChatTokenizer
 from p2pk3.topology import Topology
 
 KEY = "sk-test-0123456789"
-MODEL = "tiny-k3-pydoc"
+MODEL = default_model_dir().name  # the embedded default (k3-docs)
 QUESTION = "What does the with statement do?"
 PROMPTS = ["What does the with statement do?", "How do I open a file?", "What is a list comprehension?",
            "Explain the for statement.", "What is a generator?", "How does import work?",

@@ -19,7 +19,7 @@ from p2pk3.tokenizer import load_tokenizer  # noqa: E402
 from p2pk3.tokenizer.bpe import CHAT_TEMPLATE, NUM_SPECIAL, save_hf, train_bpe  # noqa: E402
 from p2pk3.tokenizer.chat import BUILTIN_TEMPLATE_SOURCE  # noqa: E402
 
-SHIPPED = Path(__file__).resolve().parents[1] / "p2pk3" / "assets" / "tiny-k3-pydoc"
+SHIPPED = Path(__file__).resolve().parents[1] / "p2pk3" / "assets" / "k3-docs"  # the embedded default
 CORPUS = [("The assert statement is a convenient way to insert debugging assertions into a program. "
            "Lists are mutable sequences; tuples are immutable. What does the with statement do?\n")] * 20
 

@@ -27,7 +27,6 @@ if not os.environ.get("P2PK3_TEST_CUDA_KERNELS"):
 
 import json
 import math
-import random
 from pathlib import Path
 
 import ml_dtypes
@@ -43,22 +42,11 @@ from p2pk3.quant.formats import (BYTES_PER_PARAM, FormatError, MXLinear, apply_f
 from p2pk3.quant.mxfp4 import mxfp8_e4m3_fake_quant, quantize_mxfp4
 from p2pk3_kernels import mx_linear_ref, ops
 
+from conftest import rel
+
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERP or not torch.cuda.is_available() else "cuda"
 MODEL = Path(__file__).resolve().parents[1] / "p2pk3" / "assets" / "tiny-k3-pydoc"
-
-
-@pytest.fixture
-def seed():
-    s = int(os.environ.get("P2PK3_TEST_SEED") or random.randrange(2**31))
-    torch.manual_seed(s)
-    random.seed(s)
-    return s
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def spread_weights(out_f: int, in_f: int) -> torch.Tensor:

@@ -42,23 +42,12 @@ triton = pytest.importorskip("triton")
 from p2pk3_kernels import attnres, attnres_ref, kda, kda_ref, mla_decode, mla_decode_ref, mxfp4_moe, mxfp4_moe_ref  # noqa: E402
 from p2pk3_kernels import ops  # noqa: E402
 
+from conftest import rel  # noqa: E402
+
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERP or not torch.cuda.is_available() else "cuda"
 pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not INTERP,
                                 reason="no CUDA device and TRITON_INTERPRET was not set before triton was imported")
-
-
-@pytest.fixture
-def seed():
-    s = int(os.environ.get("P2PK3_TEST_SEED") or random.randrange(2**31))
-    torch.manual_seed(s)
-    random.seed(s)
-    return s
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def nan_like(shape, dtype):

@@ -1,5 +1,6 @@
-"""The embedded default model (p2pk3/assets/tiny-k3-pydoc) loads through the real loader and still models
-held-out text as well as when it was exported (tools/train_tiny.py; numbers in docs/quality.md)."""
+"""The shipped models load through the real loader and still model held-out text as well as when they were
+exported: the embedded default `k3-docs` (tools/train_docs.py) and the previous `tiny-k3-pydoc`
+(tools/train_tiny.py), which ships beside it. Numbers in docs/quality.md."""
 from __future__ import annotations
 
 import json
@@ -19,19 +20,34 @@ from p2pk3.model.config import K3Config  # noqa: E402
 from p2pk3.model.kimi_k3 import StagePlan, build_stage  # noqa: E402
 from p2pk3.tokenizer import load_tokenizer  # noqa: E402
 
-MODEL = Path(__file__).resolve().parents[1] / "p2pk3" / "assets" / "tiny-k3-pydoc"
-pytestmark = pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="shipped model not present")
+ASSETS = Path(__file__).resolve().parents[1] / "p2pk3" / "assets"
+MAX_MIB = {"k3-docs": 30, "tiny-k3-pydoc": 15}  # the package stays small: a few tens of MB in all
+
+
+@pytest.fixture(scope="module", params=sorted(MAX_MIB))
+def model_dir(request):
+    return ASSETS / request.param
+
+
+def _load(model: Path):
+    cfg = K3Config.from_pretrained(model)
+    plan = StagePlan.whole(cfg)
+    sd = load_stage_weights(model, cfg, plan.layers, embed=True, head=True)
+    return cfg, build_stage(cfg, plan, sd), load_tokenizer(model)
 
 
 @pytest.fixture(scope="module")
-def shipped():
-    cfg = K3Config.from_pretrained(MODEL)
-    plan = StagePlan.whole(cfg)
-    sd = load_stage_weights(MODEL, cfg, plan.layers, embed=True, head=True)
-    return cfg, build_stage(cfg, plan, sd), load_tokenizer(MODEL)
+def shipped(model_dir):
+    return _load(model_dir)
 
 
-def test_layout_and_size():
+def test_the_default_is_the_docs_model():
+    from p2pk3.engine.reference import default_model_dir
+    assert default_model_dir() == ASSETS / "k3-docs"
+
+
+def test_layout_and_size(model_dir):
+    MODEL = model_dir
     files = {p.name for p in MODEL.iterdir()}
     assert {"config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
             "generation_config.json", "README.md"} <= files
@@ -40,7 +56,7 @@ def test_layout_and_size():
     assert text and all(n.startswith("language_model.") for n in text)
     assert any(n.endswith(".w1.weight_packed") for n in text)
     assert set(index["weight_map"].values()) <= files
-    assert sum(p.stat().st_size for p in MODEL.rglob("*") if p.is_file()) <= 15 * 2 ** 20
+    assert sum(p.stat().st_size for p in MODEL.rglob("*") if p.is_file()) <= MAX_MIB[MODEL.name] * 2 ** 20
     cfg = K3Config.from_pretrained(MODEL)
     assert cfg.model_type == "kimi_k3" and cfg.quant is not None and cfg.attn_res_block_size
     assert cfg.layer_types[-2:] == ("mla", "mla") and cfg.layer_types[0] == "kda" and not cfg.is_moe_layer(0)
@@ -56,7 +72,8 @@ def test_tokenizer_round_trip(shipped):
     assert tok.decode(ids) == "<|im_user|>user<|im_middle|>Tell me about lists.<|im_end|><|im_assistant|>assistant<|im_middle|>"
 
 
-def test_heldout_perplexity(shipped):
+def test_heldout_perplexity(shipped, model_dir):
+    MODEL = model_dir
     _, stage, tok = shipped
     rec = json.loads((MODEL / "heldout_eval.json").read_text())
     ids = ([tok.bos_id] if rec["prepend_bos"] else []) + tok.encode(rec["text"])
@@ -95,3 +112,27 @@ def test_greedy_decode_matches_prefill(shipped):
         lg_full = stage([Span("b", 0, len(full))], cache, tokens=torch.tensor(full), logits="all")
     assert lg_full[len(prompt) - 1:].argmax(-1).tolist() == out
     assert tok.decode(out).strip()  # says something
+
+
+def test_the_docs_model_answers_in_the_chat_format():
+    """Fine-tuned on chat pairs: asked in the chat template, it answers in words and closes with <|im_end|>."""
+    _, stage, tok = _load(ASSETS / "k3-docs")
+    closed = 0
+    # (questions about Python names; about man pages it still loops into code examples: docs/quality.md)
+    for q in ("What does `os.dup` do?", "What does `dict.get` do?", "What does `io.open` do?"):
+        ids = tok.apply_chat_template([{"role": "user", "content": q}])
+        cache = stage.new_cache(max_sessions=1, max_tokens=len(ids) + 130, block_size=64)
+        cache.open("q")
+        out: list[int] = []
+        with torch.inference_mode():
+            lg = stage([Span("q", 0, len(ids))], cache, tokens=torch.tensor(ids))
+            for _ in range(128):
+                nxt = int(lg[-1].argmax())
+                out.append(nxt)
+                if nxt in tok.eos_ids:
+                    break
+                lg = stage([Span("q", len(ids) + len(out) - 1, 1)], cache, tokens=torch.tensor([nxt]))
+        text = tok.decode([t for t in out if t not in tok.eos_ids])
+        assert len(text.split()) >= 5, (q, text)  # a sentence, not an immediate stop
+        closed += out[-1] == tok.im_end_id
+    assert closed >= 2, "the answers should end with <|im_end|> (the chat fine-tune)"

@@ -166,25 +166,35 @@ def evaluate_export(run: str | Path, export_dir: str | Path, master, state: dict
     return m
 
 
+def old_model_eval(split: dict[str, dict[str, str]]) -> dict:
+    """The previous demo model on the new held-out documents and the same questions."""
+    from p2pk3.tokenizer import load_tokenizer
+
+    old_tok = load_tokenizer(OLD)
+    old = load_shipped(OLD)
+    ob = byte_lengths(OLD, old_tok.vocab_size)
+    old_ids = eval_stream(old_tok, split["heldout"])
+    res = {"old": {"w128": score(old, old_ids, 128, ob), "w256": score(old, old_ids, 256, ob)}, "old_answers": []}
+    for q in questions(split):
+        a = answer(old, old_tok, q["question"])
+        res["old_answers"].append({"question": q["question"], "answer": a, "score": overlap_score(a, q["reference"])})
+    return res
+
+
 def compare(run: str | Path, new_dir: str | Path, corpus: str | None, bench: bool) -> dict:
-    """The old model on the new held-out documents and the same questions; markdown for docs/quality.md."""
+    """The old model against the new one (eval_new.json of the run); markdown for docs/quality.md."""
     from p2pk3.tokenizer import load_tokenizer
 
     run = Path(run)
     m = json.loads((run / "eval_new.json").read_text())
     split = doc_corpus.split_documents(doc_corpus.load_documents(corpus))
-    old_tok = load_tokenizer(OLD)
-    old = load_shipped(OLD)
-    ob = byte_lengths(OLD, old_tok.vocab_size)
-    old_ids = eval_stream(old_tok, split["heldout"])
-    res = {"old": {"w128": score(old, old_ids, 128, ob), "w256": score(old, old_ids, 256, ob)}}
+    cache = run / "eval_old.json"
+    res = json.loads(cache.read_text()) if cache.exists() else old_model_eval(split)
+    cache.write_text(json.dumps(res, indent=2, ensure_ascii=False) + "\n")
+    assert [a["question"] for a in res["old_answers"]] == [q["question"] for q in m["questions"]]
     new_tok = load_tokenizer(new_dir)
     new = load_shipped(new_dir)
     res["new_w128"] = score(new, eval_stream(new_tok, split["heldout"]), 128, byte_lengths(new_dir, new_tok.vocab_size))
-    res["old_answers"] = []
-    for q in m["questions"]:
-        a = answer(old, old_tok, q["question"])
-        res["old_answers"].append({"answer": a, "score": overlap_score(a, q["reference"])})
     if bench:
         res["bench"] = decode_bench(str(OLD), str(new_dir))
     (run / "eval_compare.json").write_text(json.dumps(res, indent=2, ensure_ascii=False) + "\n")
@@ -256,8 +266,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new", default=str(ROOT / "p2pk3" / "assets" / "k3-docs"))
     ap.add_argument("--corpus", default=None)
     ap.add_argument("--bench", action="store_true", help="also the decode-speed comparison through a 4-node ring")
+    ap.add_argument("--old-only", action="store_true", help="only the old model's numbers (eval_old.json)")
+    ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
-    torch.set_num_threads(2)
+    torch.set_num_threads(a.threads)
+    if a.old_only:
+        split = doc_corpus.split_documents(doc_corpus.load_documents(a.corpus))
+        Path(a.run, "eval_old.json").write_text(json.dumps(old_model_eval(split), indent=2, ensure_ascii=False) + "\n")
+        print(Path(a.run, "eval_old.json").read_text()[:3000])
+        return 0
     compare(a.run, a.new, a.corpus, a.bench)
     print((Path(a.run) / "quality.md").read_text())
     return 0

@@ -48,8 +48,10 @@ documentation and the Linux manual pages, then fine-tuned on question/answer pai
 It is the embedded default model of p2pk3 ({m['export_bytes'] / 1e6:.1f} MB): every code path of the engine
 (KDA, gated MLA, AttnRes, Stable LatentMoE with MXFP4 experts) and of the chat front ends runs on it.
 
-It is a small demo: it has seen {tr['tokens_seen_pretrain'] / 1e6:.2f}M tokens of text. Its answers are
-fluent documentation-style English on the right topic, often wrong in the details. Do not trust facts.
+It is a small demo, far from trained out: it has seen {tr['tokens_seen_pretrain'] / 1e6:.2f}M tokens of text
+(a third of its training split) and the validation loss was still falling. It writes documentation-style
+English and answers in the chat format, but its greedy answers are short, generic and often repetitive
+(see the questions below); do not expect facts.
 
 ## Architecture (K3 layout, shrunk)
 

@@ -166,9 +166,16 @@ def train(a) -> int:
     if a.resume and not ck_path.exists():
         raise SystemExit(f"--resume: there is no checkpoint {ck_path} (start the run without --resume)")
     ck = torch.load(ck_path, weights_only=False) if a.resume else None
-    if ck is not None:  # the run's own settings; only --stop-after-steps and --export come from this invocation
-        a = argparse.Namespace(**{**ck["args"], "resume": True, "stop_after_steps": a.stop_after_steps,
-                                  "export": a.export or ck["args"].get("export")})
+    if ck is not None:  # the run's own settings, except what this invocation names: --stop-after-steps,
+        # --export, and the budget of a phase not started yet (--minutes / --chat-minutes given again)
+        keep = {"resume": True, "stop_after_steps": a.stop_after_steps, "export": a.export or ck["args"].get("export")}
+        for k, phase in (("minutes", "pretrain"), ("chat_minutes", "chat")):
+            if getattr(a, k) is not None and ck["state"]["phase"] == phase and ck["state"]["total"] is None:
+                keep[k] = getattr(a, k)
+        a = argparse.Namespace(**{**vars(a), **ck["args"], **keep})  # options newer than the run: defaults
+    for k, v in (("minutes", 75.0), ("chat_minutes", 15.0)):
+        if getattr(a, k) is None:
+            setattr(a, k, v)
     fh = open(run / "train.log", "a" if ck else "w")
     torch.manual_seed(a.seed)
     random.seed(a.seed)
@@ -370,8 +377,8 @@ def finish(run: str | Path, export_dir: str | Path, ring: int = 0) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--minutes", type=float, default=75.0, help="wall-time budget of phase 1 (pretraining)")
-    ap.add_argument("--chat-minutes", type=float, default=15.0, help="wall-time budget of phase 2 (chat pairs)")
+    ap.add_argument("--minutes", type=float, default=None, help="wall-time budget of phase 1 (pretraining; 75)")
+    ap.add_argument("--chat-minutes", type=float, default=None, help="wall-time budget of phase 2 (chat pairs; 15)")
     ap.add_argument("--run", default="runs/k3-docs")
     ap.add_argument("--export", default=None, help="write the checkpoint here (e.g. p2pk3/assets/k3-docs)")
     ap.add_argument("--corpus", default=None, help="cache file/dir of tools.doc_corpus (default: build)")

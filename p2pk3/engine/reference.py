@@ -18,8 +18,9 @@ from .sampling import SamplingParams, fresh_seed, sample_at
 
 
 def default_model_dir() -> Path:
-    """The embedded default model (a small K3 trained on the CPython docs, shipped with the package)."""
-    return Path(__file__).resolve().parent.parent / "assets" / "tiny-k3-pydoc"
+    """The embedded default model (a small K3 trained on the Python docs and the Linux man pages, shipped with
+    the package; the previous, smaller `tiny-k3-pydoc` ships beside it)."""
+    return Path(__file__).resolve().parent.parent / "assets" / "k3-docs"
 
 
 def configure_cpu_threads(cfg: K3Config, threads: int | None = None) -> int:
