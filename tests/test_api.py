@@ -26,7 +26,7 @@ from p2pk3.topology import Topology
 
 KEY = "sk-test-0123456789"
 MODEL = default_model_dir().name  # the embedded default (k3-docs)
-QUESTION = "What does the with statement do?"
+QUESTION = "What does the yield keyword do?"  # the embedded model closes this answer within 64 tokens
 PROMPTS = ["What does the with statement do?", "How do I open a file?", "What is a list comprehension?",
            "Explain the for statement.", "What is a generator?", "How does import work?",
            "What is a dictionary?", "What does the yield keyword do?"]

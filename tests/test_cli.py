@@ -19,6 +19,7 @@ from p2pk3.cli import main
 from p2pk3.engine.reference import default_model_dir
 
 MODEL = default_model_dir()
+LAYERS = json.loads((MODEL / "config.json").read_text())["text_config"]["num_hidden_layers"]
 
 
 def cli(*args, input=None):
@@ -51,8 +52,8 @@ def refused(*args, match: str, code: int | None = None):
     (["generate", "--prompt", "   "], "the prompt is empty"),
     (["generate", "--prompt", "hi", "--model", "/nonexistent/model"], "no such directory"),
     (["local", "--nodes", "0"], "--nodes"),
-    (["local", "--nodes", "10"], "the model has only 9 layers"),
-    (["score", "--tokens", "1,2,3", "--stages", "20"], "the model has only 9 layers"),
+    (["local", "--nodes", str(LAYERS + 1)], f"the model has only {LAYERS} layers"),
+    (["score", "--tokens", "1,2,3", "--stages", "20"], f"the model has only {LAYERS} layers"),
     (["score", "--tokens", "1,2,3", "--stages", "0"], "--stages"),
     (["score", "--tokens", "1,x"], "comma-separated integers"),
     (["score", "--tokens", "1,2,99999999"], "outside the vocabulary"),
@@ -64,7 +65,7 @@ def refused(*args, match: str, code: int | None = None):
     (["bench", "reference", "--model", "/nonexistent"], "no such directory"),
     (["topology", "init", "--nodes", "2", "--base-port", "70000"], "--base-port"),
     (["topology", "init", "--nodes", "2", "--base-port", "65535"], "65536"),
-    (["topology", "init", "--nodes", "12"], "--split experts"),
+    (["topology", "init", "--nodes", str(LAYERS + 3)], "--split experts"),
     (["topology", "init", "--nodes", "2", "--out", "/nonexistent/dir/t.toml"], "does not exist"),
 ])
 def test_usage_errors_are_one_line(args, match):
