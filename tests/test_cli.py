@@ -110,7 +110,7 @@ def _bad_topology(tmp_path, **slot1):
 
 @pytest.mark.parametrize("change,match", [
     ({"layers": [2, 5]}, "overlap"),
-    ({"layers": [4, 5]}, "layer 3 is not assigned to any slot"),
+    ({"layers": [5, 7]}, "layer 4 is not assigned to any slot"),
     ({"layers": [3, 50]}, "50"),
     ({"port": 47920}, "both use 127.0.0.1:47920"),
 ])
