@@ -16,6 +16,11 @@ MAX_STOP_IDS = 64
 SPEC_METHODS = ("off", "ngram", "suffix")
 MAX_DRAFT = 16  # drafted tokens per pass at most (wire limit of a segment's `draft`)
 DEFAULT_DRAFT = 8
+# Front-end limits and defaults (CLI and API alike; p2pk3/frontends/prompt.py). The engine samples at any
+# temperature >= 0; the front ends accept what OpenAI's API accepts.
+MAX_TEMPERATURE = 2.0
+MAX_SEED = (1 << 63) - 1
+DEFAULT_MAX_TOKENS = 64  # generated tokens when neither the user nor the checkpoint's generation_config says
 
 
 @dataclass(frozen=True)
@@ -24,7 +29,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     seed: int | None = None  # None with temperature > 0: the entry draws one
-    max_tokens: int = 64  # generated tokens
+    max_tokens: int = DEFAULT_MAX_TOKENS  # generated tokens
     stop_ids: tuple[int, ...] = ()
     speculate: str = "off"  # draft proposer at the entry: off | ngram (prompt lookup) | suffix (+ cluster index)
     draft_tokens: int = DEFAULT_DRAFT  # most drafted tokens per pass (the entry adapts below it, 0 included)
@@ -38,7 +43,7 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
-        if self.seed is not None and not 0 <= self.seed < 1 << 63:
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if len(self.stop_ids) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS} stop ids, got {len(self.stop_ids)}")

@@ -3,6 +3,8 @@
     GET  /v1/models             the one model this cluster serves
     POST /v1/chat/completions   chat (messages -> the checkpoint's chat template), streaming or not
     POST /v1/completions        plain completion of a prompt (text after BOS, or token ids)
+
+Prompts and sampling defaults come from p2pk3/frontends/prompt.py, as in every front end.
     GET  /metrics               Prometheus metrics (no auth: scrapers rarely carry keys; no secrets in it)
     GET  /health                200 while the server runs
 
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from p2pk3.params import SamplingParams
+from p2pk3.frontends.prompt import Prompt, PromptBuilder, PromptError
 
 from .errors import ApiError, bad_param
 from .generation import Generation
@@ -38,13 +40,12 @@ MAX_BODY = 16 << 20
 @dataclass
 class ApiConfig:
     model_name: str
-    context_len: int  # prompt + generated tokens at most
     api_key: str | None = None
 
 
 CONFIG = web.AppKey("config", ApiConfig)
 CLUSTER = web.AppKey("cluster", object)
-TOKENIZER = web.AppKey("tokenizer", object)
+PROMPTS = web.AppKey("prompts", PromptBuilder)
 METRICS = web.AppKey("metrics", ApiMetrics)
 STARTED = web.AppKey("started", int)
 
@@ -116,60 +117,34 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": ctype})
 
 
-def _prompt_ids(app, req: GenRequest) -> list[int]:
-    tok = app[TOKENIZER]
-    if req.kind == "chat":
-        from p2pk3.tokenizer import ChatTemplateError
-        try:
-            ids = tok.apply_chat_template(req.messages, add_generation_prompt=True, tools=req.tools)
-        except ChatTemplateError as e:
-            raise bad_param("messages", f"the chat template refused them: {e}") from None
-    elif isinstance(req.prompt, str):
-        ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(req.prompt)
-    else:
-        ids = req.prompt
-        bad = [t for t in ids if t >= tok.vocab_size]
-        if bad:
-            raise bad_param("prompt", f"token ids {bad[:5]} are outside the vocabulary 0..{tok.vocab_size - 1}")
-    if not ids:
-        raise bad_param("messages" if req.kind == "chat" else "prompt", "the prompt is empty")
-    return ids
-
-
-def _sampling(app, req: GenRequest, n_prompt: int) -> SamplingParams:
-    cfg: ApiConfig = app[CONFIG]
-    tok = app[TOKENIZER]
-    room = cfg.context_len - n_prompt
-    param = "max_completion_tokens" if req.kind == "chat" else "max_tokens"
-    if room < 1:
-        raise bad_param("messages" if req.kind == "chat" else "prompt",
-                        f"the prompt has {n_prompt} tokens; the model's context is {cfg.context_len}")
-    if req.max_tokens is not None and req.max_tokens > room:
-        raise bad_param(param, f"{req.max_tokens} tokens do not fit: the prompt has {n_prompt} tokens and the "
-                               f"model's context is {cfg.context_len}")
-    d = tok.generation_defaults
-    max_tokens = req.max_tokens if req.max_tokens is not None else max(1, min(d.max_tokens(n_prompt), room))
-    return SamplingParams(
-        temperature=d.temperature if req.temperature is None else float(req.temperature),
-        top_p=d.top_p if req.top_p is None else float(req.top_p),
-        top_k=d.top_k if req.top_k is None else req.top_k,
-        seed=req.seed, max_tokens=max_tokens,
-        stop_ids=() if req.ignore_eos else tuple(tok.stop_ids),
-        speculate=req.speculate, draft_tokens=req.draft_tokens)
+def _prompt(app, req: GenRequest) -> Prompt:
+    """The request's prompt ids and sampling parameters, through the path every front end takes."""
+    prompts: PromptBuilder = app[PROMPTS]
+    try:
+        if req.kind == "chat":
+            return prompts.chat(req.messages, req.sampling, tools=req.tools)
+        if isinstance(req.prompt, str):
+            return prompts.text(req.prompt, req.sampling)
+        return prompts.tokens(req.prompt, req.sampling)
+    except PromptError as e:
+        if e.field == "prompt":
+            raise bad_param("messages" if req.kind == "chat" else "prompt", str(e)) from None
+        if e.field == "max_tokens":
+            raise bad_param("max_completion_tokens" if req.kind == "chat" else "max_tokens", str(e)) from None
+        raise bad_param(e.field, str(e)) from None
 
 
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     t_arrival = time.perf_counter()
     app = request.app
     cfg: ApiConfig = app[CONFIG]
-    req = parse_request(await _json_body(request), kind, cfg.context_len)
+    req = parse_request(await _json_body(request), kind, app[PROMPTS].context_len)
     if req.model is not None and req.model != cfg.model_name:
         raise ApiError(404, f"the model `{req.model}` does not exist (this server has `{cfg.model_name}`)",
                        param="model", code="model_not_found")
-    ids = _prompt_ids(app, req)
-    params = _sampling(app, req, len(ids))
+    p = _prompt(app, req)
     route = _route_of(request)
-    gen = Generation(app[CLUSTER], app[TOKENIZER], ids, params, req.stop, app[METRICS], route, t_arrival)
+    gen = Generation(app[CLUSTER], app[PROMPTS].tok, p.ids, p.params, req.stop, app[METRICS], route, t_arrival)
     meta = {"id": ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12),
             "created": int(time.time()), "model": cfg.model_name}
     app[METRICS].in_flight.inc()
@@ -250,11 +225,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, "completion")
 
 
-def create_app(cluster, tokenizer, config: ApiConfig) -> web.Application:
+def create_app(cluster, prompts: PromptBuilder, config: ApiConfig) -> web.Application:
     """The aiohttp application. `cluster`: an object with `async generate(prompt, params, on_token)`
-    (p2pk3.api.cluster.Cluster); `tokenizer`: a ChatTokenizer."""
+    (p2pk3.api.cluster.Cluster); `prompts`: the model's PromptBuilder (its context length bounds requests)."""
     app = web.Application(middlewares=[_errors_and_metrics], client_max_size=MAX_BODY)
-    app[CONFIG], app[CLUSTER], app[TOKENIZER] = config, cluster, tokenizer
+    app[CONFIG], app[CLUSTER], app[PROMPTS] = config, cluster, prompts
     app[METRICS] = ApiMetrics()
     app[STARTED] = int(time.time())
     app.router.add_get("/v1/models", models)

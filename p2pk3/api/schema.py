@@ -3,7 +3,10 @@
 Every mistake is an `ApiError` 400 whose `param` names the field (`messages[1].role`, `temperature`, ...).
 Accepted: `model`, `messages` / `prompt`, `stream`, `stream_options.include_usage`, `max_tokens` /
 `max_completion_tokens`, `temperature` [0, 2], `top_p` (0, 1], `seed`, `stop` (string or list of up to 4),
-`n` (1 only), `user`; extensions as vLLM names them: `top_k`, `ignore_eos`. Fields that would change the
+`n` (1 only), `user`; extensions as vLLM names them: `top_k`, `ignore_eos`; p2pk3's own: `speculate`,
+`draft_tokens`. The sampling fields land in `GenRequest.sampling` (a `SamplingOverrides`: unset fields
+take the checkpoint's generation_config defaults, p2pk3/frontends/prompt.py) with the ranges the CLI
+options have (p2pk3/params.py). Fields that would change the
 output in a way this server does not implement (`logprobs`, `echo`, `suffix`, `best_of` > 1, non-zero
 penalties, `logit_bias`) are refused rather than ignored. Other unknown fields are ignored, as OpenAI does.
 """
@@ -12,12 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from p2pk3.frontends.prompt import SamplingOverrides
+from p2pk3.params import DEFAULT_DRAFT, MAX_DRAFT, MAX_SEED, MAX_TEMPERATURE, SPEC_METHODS
+
 from .errors import bad_param
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOPS = 4
 MAX_STOP_LEN = 256
-MAX_SEED = (1 << 63) - 1
 
 
 @dataclass
@@ -29,15 +34,8 @@ class GenRequest:
     prompt: str | list[int] | None = None  # completion: text, or token ids
     stream: bool = False
     include_usage: bool = False
-    max_tokens: int | None = None  # None: the model's generation_config default
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
+    sampling: SamplingOverrides = field(default_factory=SamplingOverrides)  # max_tokens, temperature, ...
     stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
-    speculate: str = "off"  # extension: speculative decoding through the ring (off | ngram | suffix)
-    draft_tokens: int = 8
 
 
 def _is_int(v) -> bool:
@@ -174,23 +172,25 @@ def parse_request(body: Any, kind: str, max_tokens_limit: int) -> GenRequest:
         if iu is not None and not isinstance(iu, bool):
             raise bad_param("stream_options.include_usage", "must be true or false")
         req.include_usage = bool(iu)
-    keys = ["max_completion_tokens", "max_tokens"] if kind == "chat" else ["max_tokens"]
-    for k in keys:
+    max_tokens = None
+    for k in ["max_completion_tokens", "max_tokens"] if kind == "chat" else ["max_tokens"]:
         v = _opt(body, k, _is_int, "an integer")
         if v is not None:
             if not 1 <= v <= max_tokens_limit:
                 raise bad_param(k, f"must be in [1, {max_tokens_limit}], got {v}")
-            req.max_tokens = v
+            max_tokens = v
             break
-    req.temperature = _opt(body, "temperature", lambda v: _is_num(v) and 0 <= v <= 2, "a number in [0, 2]")
-    req.top_p = _opt(body, "top_p", lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]")
     top_k = _opt(body, "top_k", lambda v: _is_int(v) and v >= -1, "an integer >= -1 (-1 or 0: off)")
-    req.top_k = None if top_k is None else max(top_k, 0)
-    req.seed = _opt(body, "seed", lambda v: _is_int(v) and 0 <= v <= MAX_SEED, f"an integer in [0, {MAX_SEED}]")
+    spec = _opt(body, "speculate", lambda v: v in SPEC_METHODS, " or ".join(f'"{m}"' for m in SPEC_METHODS))
+    draft = _opt(body, "draft_tokens", lambda v: _is_int(v) and 1 <= v <= MAX_DRAFT, f"an integer in [1, {MAX_DRAFT}]")
+    req.sampling = SamplingOverrides(
+        max_tokens=max_tokens,
+        temperature=_opt(body, "temperature", lambda v: _is_num(v) and 0 <= v <= MAX_TEMPERATURE,
+                         f"a number in [0, {MAX_TEMPERATURE:g}]"),
+        top_p=_opt(body, "top_p", lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]"),
+        top_k=None if top_k is None else max(top_k, 0),
+        seed=_opt(body, "seed", lambda v: _is_int(v) and 0 <= v <= MAX_SEED, f"an integer in [0, {MAX_SEED}]"),
+        ignore_eos=bool(_opt(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false")),
+        speculate=spec or "off", draft_tokens=DEFAULT_DRAFT if draft is None else draft)
     req.stop = _stop(body.get("stop"))
-    req.ignore_eos = bool(_opt(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false"))
-    spec = _opt(body, "speculate", lambda v: v in ("off", "ngram", "suffix"), '"off", "ngram" or "suffix"')
-    req.speculate = spec or "off"
-    k = _opt(body, "draft_tokens", lambda v: _is_int(v) and 1 <= v <= 16, "an integer in [1, 16]")
-    req.draft_tokens = 8 if k is None else k
     return req

@@ -1,9 +1,9 @@
 """Running the API server: `serve(...)` (what `p2pk3 serve` runs, on the uvloop loop) and the pieces it
-reads from the topology (tokenizer, model name, context length, API key)."""
+reads from the topology (model name, API key); prompts and the context length come from the model
+directory through p2pk3/frontends/prompt.py."""
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import sys
 from pathlib import Path
@@ -12,9 +12,6 @@ from aiohttp import web
 
 from .app import ApiConfig, create_app
 from .cluster import Cluster
-
-DEFAULT_CONTEXT = 1 << 20
-
 
 def read_api_key(path: str | Path) -> str:
     """The key in `path` (whitespace stripped); ValueError for an empty or unreadable file."""
@@ -29,26 +26,19 @@ def read_api_key(path: str | Path) -> str:
     return key
 
 
-def model_facts(model_dir: Path, topo) -> tuple[str, int]:
-    """(default model name, context length) of the topology's model."""
-    name = topo.model.repo or Path(model_dir).name
-    try:
-        ctx = int(json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
-                  or DEFAULT_CONTEXT)
-    except (OSError, ValueError, TypeError):
-        ctx = DEFAULT_CONTEXT
-    return name, ctx
+def default_model_name(model_dir: Path, topo) -> str:
+    """The default model id: the topology's hub repo, else the model folder's name."""
+    return topo.model.repo or Path(model_dir).name
 
 
 async def serve(topo, model_dir: Path, *, host: str, port: int, api_key: str | None, model_name: str | None,
                 ready=None) -> None:
     """Serve until SIGINT / SIGTERM. `ready(url)` is called once the port listens."""
-    from p2pk3.tokenizer import ChatTokenizer
+    from p2pk3.frontends.prompt import PromptBuilder
 
-    tok = ChatTokenizer.from_pretrained(model_dir)
-    default_name, ctx = model_facts(model_dir, topo)
     cluster = Cluster(topo)
-    app = create_app(cluster, tok, ApiConfig(model_name or default_name, ctx, api_key))
+    app = create_app(cluster, PromptBuilder.from_pretrained(model_dir),
+                     ApiConfig(model_name or default_model_name(model_dir, topo), api_key))
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     stop = asyncio.Event()

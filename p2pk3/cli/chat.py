@@ -7,7 +7,7 @@ import click
 
 from . import main
 from .common import MODEL_HELP, model_dir, topology_model_dir
-from .run import sampling_options
+from .options import sampling_options, speculation_options, topology_option
 
 
 def parse_address(s: str, param: str = "--connect") -> tuple[str, int]:
@@ -30,8 +30,7 @@ def read_secret_file(path: str, param: str = "--secret-file") -> bytes:
 
 
 @main.command()
-@click.option("--topology", "topology_path", type=click.Path(exists=True, dir_okay=False),
-              help="the cluster's topology: its entry is found, its secret and model used")
+@topology_option(required=False)
 @click.option("--connect", "address", help="HOST:PORT of the entry node (secret from --topology or --secret-file)")
 @click.option("--secret-file", type=click.Path(dir_okay=False), help="the cluster secret (with --connect)")
 @click.option("--local", "local_nodes", type=click.IntRange(min=1), default=None,
@@ -39,16 +38,13 @@ def read_secret_file(path: str, param: str = "--secret-file") -> bytes:
 @click.option("--model", help=MODEL_HELP + " (with --local or --connect; else the topology's)")
 @click.option("--system", default=None, help="system prompt")
 @sampling_options
-@click.option("--speculate", type=click.Choice(["off", "ngram", "suffix"]), default="off", show_default=True,
-              help="speculative decoding: draft tokens by prompt lookup (ngram) or a cluster suffix index")
-@click.option("--draft-tokens", type=click.IntRange(1, 16), default=8, show_default=True,
-              help="with --speculate: the most drafted tokens per pass (the entry adapts below it)")
+@speculation_options
 @click.option("--history", "history_file", type=click.Path(dir_okay=False), default="~/.p2pk3_chat_history",
               show_default=True, help="readline history file")
 @click.option("--no-history", is_flag=True, help="keep no history file")
-def chat(topology_path, address, secret_file, local_nodes, model, system, max_tokens, temperature, top_k, top_p,
-         seed, speculate, draft_tokens, history_file, no_history):
-    """Chat with the cluster: answers stream as they are generated; /help lists the commands.
+def chat(topology_path, address, secret_file, local_nodes, model, system, history_file, no_history, sampling):
+    """Chat with the cluster: answers stream as they are generated; /help lists the commands. With
+    --topology the entry is found in the topology, and its secret and model are used.
 
     \b
       p2pk3 chat --topology ring.toml
@@ -56,10 +52,11 @@ def chat(topology_path, address, secret_file, local_nodes, model, system, max_to
       p2pk3 chat --local 2
       printf 'What is a tuple?\\n' | p2pk3 chat --local 2      # scripted: one message per line
     """
+    from dataclasses import replace
+
+    from p2pk3.frontends.prompt import PromptBuilder
     from p2pk3.frontends.repl import run_chat
     from p2pk3.node.client import Client
-    from p2pk3.params import SamplingParams
-    from p2pk3.tokenizer import ChatTokenizer
 
     logging.getLogger("p2pk3").addHandler(logging.NullHandler())  # errors are said in the chat, not logged
     modes = [m for m, on in (("--topology", topology_path and not address), ("--connect", address),
@@ -76,9 +73,9 @@ def chat(topology_path, address, secret_file, local_nodes, model, system, max_to
         from p2pk3.topology import Topology
         topo = Topology.load(topology_path)
     mdir = model_dir(model) if (model or not topo) else topology_model_dir(topo)
-    tok = ChatTokenizer.from_pretrained(mdir)
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max(1, max_tokens),
-                            speculate=speculate, draft_tokens=draft_tokens)
+    prompts = PromptBuilder.from_pretrained(mdir)
+    if sampling.max_tokens == 0:
+        sampling = replace(sampling, max_tokens=1)  # an answer has a token at least
     history = None if no_history else history_file
     ring = None
     if local_nodes:
@@ -98,7 +95,7 @@ def chat(topology_path, address, secret_file, local_nodes, model, system, max_to
         secret = topo.secret()
         factory = lambda: Client.for_topology(topo, secret)  # noqa: E731
     try:
-        run_chat(factory, tok, params, system=system, history_file=history,
+        run_chat(factory, prompts, sampling, system=system, history_file=history,
                  banner=f"p2pk3 chat with {mdir.name}: /help for commands, Ctrl-D to leave")
     finally:
         if ring is not None:

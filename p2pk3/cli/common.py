@@ -1,4 +1,5 @@
-"""Shared pieces of the commands: model directories, the error type, the async runner."""
+"""Shared pieces of the commands: model directories, the error type, prompts, the async runner (the
+shared options are in options.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -37,6 +38,18 @@ def check_writable(path: str | None, param: str) -> None:
     parent = Path(path).expanduser().resolve().parent
     if not parent.is_dir():
         raise click.BadParameter(f"folder {parent} does not exist", param_hint=param)
+
+
+def build_prompt(mdir: Path, prompt: str, sampling, raw: bool = False):
+    """(PromptBuilder, Prompt) of a `--prompt` (frontends/prompt.py, the path every front end takes): one user
+    message through the checkpoint's chat template, or with `raw` the text after the model's BOS token."""
+    from p2pk3.frontends.prompt import PromptBuilder, PromptError
+
+    prompts = PromptBuilder.from_pretrained(mdir)
+    try:
+        return prompts, (prompts.text(prompt, sampling) if raw else prompts.question(prompt, sampling))
+    except PromptError as e:
+        raise click.BadParameter(str(e), param_hint=f"--{e.field.replace('_', '-')}") from None
 
 
 def run_async(coro):

@@ -7,6 +7,7 @@ import logging
 import click
 
 from . import main
+from .options import topology_option
 from .common import run_async
 
 STATE_STYLE = {"up": "green", "loading": "yellow", "standby": "cyan", "moved": "dim", "dead": "bold red",
@@ -53,7 +54,7 @@ def render(snap: dict):
 
 
 @main.command()
-@click.option("--topology", "topology_path", required=True, type=click.Path(exists=True, dir_okay=False))
+@topology_option()
 @click.option("--once", is_flag=True, help="print one frame and exit")
 @click.option("--json", "as_json", is_flag=True, help="JSON instead of a table (one document per poll)")
 @click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True,

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from . import main
+from .options import topology_option
 from .common import UserError
 
 
@@ -18,7 +19,7 @@ def _parse_peer(s: str) -> tuple[str, int]:
 
 
 @main.command()
-@click.option("--topology", "topology_path", required=True, type=click.Path(exists=True, dir_okay=False))
+@topology_option()
 @click.option("--slot", "slots", multiple=True, help="a slot whose files to fetch (repeatable)")
 @click.option("--all-local", is_flag=True, help="every slot of the topology whose host is this machine")
 @click.option("--repo", default=None, help="hub repo id (default: the topology's [model] repo, else the manifest's)")
@@ -114,7 +115,7 @@ def download(topology_path, slots, all_local, repo, revision, local_dir, from_pe
 
 
 @main.command()
-@click.option("--topology", "topology_path", required=True, type=click.Path(exists=True, dir_okay=False))
+@topology_option()
 @click.option("--slot", "slots", multiple=True, help="write env files for these slots only (default: every slot)")
 @click.option("--user", default=None, help="run the daemons as this user (default: root)")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="p2pk3-systemd", show_default=True)

@@ -9,6 +9,7 @@ import click
 
 from . import main
 from .common import UserError, check_writable
+from .options import topology_option
 from .topo import topology
 
 FORMATS_HELP = ("weight formats per tensor class, e.g. 'non-experts=mxfp8' or 'attention=mxfp4,lm_head=bf16' "
@@ -100,7 +101,7 @@ def topology_check(path, model, formats, quiet):
 
 
 @main.command("simulate")
-@click.option("--topology", "topo_path", required=True, type=click.Path(dir_okay=False))
+@topology_option()
 @click.option("--hardware", "hw_path", default=None, type=click.Path(dir_okay=False),
               help="hardware profile TOML (default: p2pk3/sim/profiles/rtx5090.toml)")
 @click.option("--model", default=None, help="preset or model directory (default: the file's [model])")
@@ -117,16 +118,14 @@ def topology_check(path, model, formats, quiet):
               help="spread the streams over this many micro-batches (default: as the entry batches them: all queued)")
 @click.option("--plot", default=None, type=click.Path(dir_okay=False), help="PNG of throughput vs streams")
 @click.option("--json", "as_json", is_flag=True, help="print the figures as JSON")
-def simulate_cmd(topo_path, hw_path, model, streams, formats, accept, spec_k, tp, act, prompt, new_tokens, context,
+def simulate_cmd(topology_path, hw_path, model, streams, formats, accept, spec_k, tp, act, prompt, new_tokens, context,
                  micro_batches, plot, as_json):
     """Discrete-event model of the ring: tokens/s per stream and in aggregate, TTFT, per-stage time."""
     from p2pk3.plan import parse_formats
     from p2pk3.sim import load_profile, report, simulate_sweep
     from p2pk3.topology import Topology
-    if not Path(topo_path).is_file():
-        raise UserError(f"{topo_path}: no such file")
     check_writable(plot, "--plot")
-    topo = Topology.load(topo_path)
+    topo = Topology.load(topology_path)
     cfg = load_config(model)[0] if model else topo.model_config()
     topo.validate(cfg)
     hw = load_profile(hw_path)
@@ -140,7 +139,7 @@ def simulate_cmd(topo_path, hw_path, model, streams, formats, accept, spec_k, tp
                              act=act, prompt=prompt, new_tokens=new_tokens, context=context,
                              micro_batches=micro_batches)
     if plot:
-        report.plot(results, plot, title=f"{Path(topo_path).name}: {hw.name[:60]}")
+        report.plot(results, plot, title=f"{Path(topology_path).name}: {hw.name[:60]}")
     if as_json:
         click.echo(json.dumps(report.to_json(results, hw), indent=2))
     else:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import click
 
 from . import main
-from .common import DTYPES, MODEL_HELP, UserError, model_dir, run_async, topology_model_dir
+from .common import DTYPES, MODEL_HELP, UserError, build_prompt, model_dir, run_async, topology_model_dir
+from .options import sampling_options, speculation_options, topology_option
 
 
 def _stop_on_signals(stop):
@@ -16,7 +17,7 @@ def _stop_on_signals(stop):
 
 
 @main.command()
-@click.option("--topology", "topology_path", required=True, type=click.Path(exists=True, dir_okay=False))
+@topology_option()
 @click.option("--slot", help="the slot this daemon claims")
 @click.option("--standby", is_flag=True, help="run as a hot spare on a standby slot (takes over a dead slot)")
 @click.option("--host", default=None, help="listen address (default: the slot's host, else 0.0.0.0)")
@@ -114,12 +115,13 @@ def node(topology_path, slot, standby, host, port, dtype, device, max_sessions, 
 @click.option("--chat", "open_chat", is_flag=True,
               help="open the chat REPL on the ring (without a terminal: one scripted exchange with the ring's "
                    "statistics), then stop")
-@click.option("--max-tokens", type=click.IntRange(min=0), default=48, show_default=True, help="tokens to generate")
+@sampling_options
+@speculation_options
 @click.option("--api", "api_addr", default=None, metavar="HOST:PORT",
               help="also serve the OpenAI-compatible API there (p2pk3 serve beside the ring)")
 @click.option("--api-key-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="with --api: the bearer key clients must send")
-def local(model, nodes, standby, state_file, dtype, prompt, open_chat, max_tokens, api_addr, api_key_file):
+def local(model, nodes, standby, state_file, dtype, prompt, open_chat, api_addr, api_key_file, sampling):
     """Start N daemons (and S standbys) on loopback as one ring; Ctrl-C, SIGTERM or SIGHUP stops them.
 
     To watch the ring survive a failure, start it with a spare and a state file, then kill a node:
@@ -166,15 +168,15 @@ def local(model, nodes, standby, state_file, dtype, prompt, open_chat, max_token
                 what = "standby" if s.standby else f"layers {s.layers[0]}..{s.layers[1]}"
                 click.echo(f"  slot {s.id}: {what} at {s.host}:{s.port}")
             if open_chat and prompt is None and sys.stdin.isatty():
+                from p2pk3.frontends.prompt import PromptBuilder
                 from p2pk3.frontends.repl import run_chat
-                from p2pk3.tokenizer import ChatTokenizer
                 click.echo("chat with the ring: /help for commands, /quit to stop")
-                run_chat(ring.client, ChatTokenizer.from_pretrained(mdir))
+                run_chat(ring.client, PromptBuilder.from_pretrained(mdir), sampling)
                 return
             if open_chat and prompt is None:  # no terminal: one scripted exchange
                 prompt = SCRIPTED_QUESTION
             if prompt is not None:
-                _generate_and_print(ring, mdir, prompt, max_tokens)
+                _generate_and_print(ring, mdir, prompt, sampling)
                 return
             click.echo("Ctrl-C to stop.")
             last = None
@@ -210,16 +212,11 @@ def _host_port(text: str, param: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
-def _generate_and_print(ring, mdir, prompt, max_tokens, temperature=0.0, seed=None):
+def _generate_and_print(ring, mdir, prompt, sampling):
     from p2pk3.node.local import probe
-    from p2pk3.params import SamplingParams
-    from p2pk3.tokenizer import load_tokenizer
 
-    from .run import prompt_ids
-
-    tok = load_tokenizer(mdir)
-    ids = prompt_ids(tok, prompt, raw=False)
-    params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens, stop_ids=tuple(sorted(tok.eos_ids)))
+    prompts, p = build_prompt(mdir, prompt, sampling)
+    ids, params = p.ids, p.params
     click.echo(f"> {prompt}")
 
     async def go():
@@ -233,7 +230,7 @@ def _generate_and_print(ring, mdir, prompt, max_tokens, temperature=0.0, seed=No
         return reply, [s for s in stages if s]
 
     r, stages = run_async(go())
-    click.echo(tok.decode([t for t in r.tokens if t not in tok.eos_ids]).strip())
+    click.echo(prompts.answer_text(r.tokens).strip())
     st = r.stats
     tps = st.get("decode_tokens_per_s")
     click.echo(f"[ring of {len(stages)} nodes: {st.get('prompt_tokens', len(ids))} prompt + {len(r.tokens)} generated "

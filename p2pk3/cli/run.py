@@ -4,7 +4,8 @@ from __future__ import annotations
 import click
 
 from . import main
-from .common import DTYPES, MODEL_HELP, UserError, check_writable, model_dir, run_async
+from .common import DTYPES, MODEL_HELP, UserError, build_prompt, check_writable, model_dir, run_async
+from .options import sampling_options, speculation_options
 
 
 def _parse_tokens(s: str) -> list[int]:
@@ -95,60 +96,23 @@ def _check_device(device: str) -> None:
         raise click.BadParameter("CUDA is not available on this machine (use --device cpu)", param_hint="--device")
 
 
-def sampling_options(f):
-    """The sampling flags, identical for every command that generates."""
-    for opt in reversed([
-        click.option("--max-tokens", type=click.IntRange(min=0), default=64, show_default=True,
-                     help="tokens to generate (0: none)"),
-        click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0 = greedy"),
-        click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 = off"),
-        click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True),
-        click.option("--seed", type=click.IntRange(min=0, max=(1 << 63) - 1), default=None),
-    ]):
-        f = opt(f)
-    return f
-
-
-def prompt_ids(tok, prompt: str, raw: bool) -> list[int]:
-    """What the model sees: with --raw the text after the model's BOS token, else the chat template."""
-    if not prompt.strip():
-        raise click.BadParameter("the prompt is empty", param_hint="--prompt")
-    if raw:
-        ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(prompt)
-    else:
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-    if not ids:
-        raise click.BadParameter("the prompt is empty", param_hint="--prompt")
-    return ids
-
-
 @main.command()
 @click.option("--model", help=MODEL_HELP)
 @click.option("--prompt", required=True)
 @click.option("--nodes", type=click.IntRange(min=0), default=0, help="through a fresh local ring of N daemons (0: in-process)")
 @sampling_options
 @click.option("--raw", is_flag=True, help="no chat template: continue the prompt text (after the model's BOS token)")
-@click.option("--speculate", type=click.Choice(["off", "ngram", "suffix"]), default="off", show_default=True,
-              help="speculative decoding: draft tokens by prompt lookup (ngram) or a suffix index over recent "
-                   "prompts and outputs (suffix); the ring verifies them, the output is the same")
-@click.option("--draft-tokens", type=click.IntRange(min=1, max=16), default=8, show_default=True,
-              help="most drafted tokens per pass (the entry adapts below it)")
+@speculation_options
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object: token ids, text and statistics")
 @formats_option
-def generate(model, prompt, nodes, max_tokens, temperature, top_k, top_p, seed, raw, speculate, draft_tokens, as_json,
-             formats):
+def generate(model, prompt, nodes, raw, as_json, formats, sampling):
     """Generate an answer to PROMPT (in-process, or through a local ring with --nodes)."""
     import time
 
-    from p2pk3.params import SamplingParams
-    from p2pk3.tokenizer import load_tokenizer
-
     mdir = model_dir(model)
     _no_ring_formats(nodes, formats)
-    tok = load_tokenizer(mdir)
-    ids = prompt_ids(tok, prompt, raw)
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens,
-                            stop_ids=tuple(sorted(tok.eos_ids)), speculate=speculate, draft_tokens=draft_tokens)
+    prompts, p = build_prompt(mdir, prompt, sampling, raw=raw)
+    ids, params = p.ids, p.params
     t0 = time.perf_counter()
     if nodes:
         from p2pk3.model.config import K3Config
@@ -162,16 +126,16 @@ def generate(model, prompt, nodes, max_tokens, temperature, top_k, top_p, seed, 
             stats["entry_stage"] = reply.stage_stats["spec"]
     else:
         from p2pk3.engine.reference import Pipeline
-        pipe = Pipeline.load(mdir, 1, max_sessions=1, max_tokens=len(ids) + max_tokens + 64, formats=formats)
-        out = pipe.generate([ids], params, draft_policy="adaptive")[0] if max_tokens else []
+        pipe = Pipeline.load(mdir, 1, max_sessions=1, max_tokens=len(ids) + params.max_tokens + 64, formats=formats)
+        out = pipe.generate([ids], params, draft_policy="adaptive")[0] if params.max_tokens else []
         stats = {"prompt_tokens": len(ids), "generated_tokens": len(out),
-                 **(pipe.last_stats[0] if params.speculating and max_tokens else {})}
-    text = tok.decode([t for t in out if t not in tok.eos_ids])
+                 **(pipe.last_stats[0] if params.speculating and params.max_tokens else {})}
+    text = prompts.answer_text(out)
     if as_json:
         import json
         stats["wall_s"] = round(time.perf_counter() - t0, 4)
-        click.echo(json.dumps({"tokens": [int(t) for t in out], "text": text, "speculate": speculate,
-                               "draft_tokens": draft_tokens, "stats": stats}))
+        click.echo(json.dumps({"tokens": [int(t) for t in out], "text": text, "speculate": params.speculate,
+                               "draft_tokens": params.draft_tokens, "stats": stats}))
     else:
         click.echo(text)
 
@@ -204,4 +168,4 @@ def bench_reference(model, batches, steps, prompt_len):
     bench_reference_decode(model, batches, steps, prompt_len)
 
 
-__all__ = ["score", "generate", "bench", "UserError", "sampling_options", "prompt_ids"]
+__all__ = ["score", "generate", "bench", "UserError"]

@@ -4,11 +4,12 @@ from __future__ import annotations
 import click
 
 from . import main
+from .options import topology_option
 from .common import UserError, run_async, topology_model_dir
 
 
 @main.command()
-@click.option("--topology", "topology_path", required=True, type=click.Path(exists=True, dir_okay=False))
+@topology_option()
 @click.option("--host", default="127.0.0.1", show_default=True, help="listen address")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--api-key-file", type=click.Path(exists=True, dir_okay=False), default=None,

@@ -1,10 +1,11 @@
 """The chat REPL: a conversation with the cluster, one turn at a time.
 
-    code = run_chat(client_factory, tokenizer, params=SamplingParams(max_tokens=256))
+    code = run_chat(client_factory, PromptBuilder.from_pretrained(model_dir), SamplingOverrides(max_tokens=256))
 
 `client_factory` is an async callable returning a connected `Client` (`ring.client`, or a lambda around
 `Client.for_topology(topo)`); it is called again after the connection to the entry was lost. Each turn
-renders the whole conversation with the checkpoint's chat template and streams the answer through the
+builds the prompt of the whole conversation through frontends/prompt.py (the checkpoint's chat template,
+stop ids and generation_config defaults, as every front end does) and streams the answer through the
 tokenizer's stream decoder (never half a UTF-8 character), then prints a one-line footer with the time
 to first token and the decode speed.
 
@@ -31,7 +32,9 @@ from pathlib import Path
 from typing import Awaitable, Callable, TextIO
 
 from p2pk3.node.client import RequestError
-from p2pk3.params import SamplingParams
+from p2pk3.params import MAX_TEMPERATURE, SamplingParams
+
+from .prompt import PromptBuilder, PromptError, SamplingOverrides
 
 PROMPT, MORE = ">>> ", "... "
 BLOCK = '"""'
@@ -52,10 +55,11 @@ class CommandError(ValueError):
 
 @dataclass
 class Conversation:
-    params: SamplingParams
+    sampling: SamplingOverrides  # what the user set (None fields: the checkpoint's defaults)
     system: str | None = None
     messages: list[dict] = field(default_factory=list)
     last: dict | None = None  # stats of the last answer
+    last_params: SamplingParams | None = None  # what the last answer was sampled with
     answers: int = 0
     generated: int = 0
     stopped: int = 0
@@ -85,9 +89,10 @@ def command(conv: Conversation, line: str) -> str | None:
             t = float(arg)
             if not math.isfinite(t):
                 raise ValueError
-            conv.params = replace(conv.params, temperature=t)
-        except ValueError:
-            raise CommandError(f"/temp takes a number >= 0, e.g. /temp 0.7 (got {arg!r})") from None
+            conv.sampling = replace(conv.sampling, temperature=t)
+        except ValueError:  # not a number, or outside the range (PromptError)
+            raise CommandError(f"/temp takes a number in [0, {MAX_TEMPERATURE:g}], e.g. /temp 0.7 "
+                               f"(got {arg!r})") from None
         return f"[temperature {t:g}]"
     if name == "/max":
         try:
@@ -96,7 +101,7 @@ def command(conv: Conversation, line: str) -> str | None:
                 raise ValueError
         except ValueError:
             raise CommandError(f"/max takes a whole number >= 1, e.g. /max 256 (got {arg!r})") from None
-        conv.params = replace(conv.params, max_tokens=n)
+        conv.sampling = replace(conv.sampling, max_tokens=n)
         return f"[at most {n} tokens per answer]"
     if name == "/stats":
         return stats_text(conv)
@@ -112,10 +117,17 @@ def footer(stats: dict, n: int) -> str:
 
 
 def stats_text(conv: Conversation, status: dict | None = None) -> str:
-    p = conv.params
     lines = [f"answers: {conv.answers} ({conv.stopped} stopped), tokens generated: {conv.generated}, "
-             f"messages in the conversation: {len(conv.messages)}",
-             f"sampling: temperature {p.temperature:g}, top_k {p.top_k}, top_p {p.top_p:g}, max {p.max_tokens} tokens"]
+             f"messages in the conversation: {len(conv.messages)}"]
+    if conv.last_params is not None:
+        p = conv.last_params
+        lines.append(f"sampling: temperature {p.temperature:g}, top_k {p.top_k}, top_p {p.top_p:g}, "
+                     f"max {p.max_tokens} tokens")
+    else:
+        a = conv.sampling
+        shown = [f"{k} {'default' if v is None else f'{v:g}'}" for k, v in
+                 (("temperature", a.temperature), ("top_k", a.top_k), ("top_p", a.top_p), ("max", a.max_tokens))]
+        lines.append("sampling (default: the model's generation_config): " + ", ".join(shown))
     if conv.last:
         s = conv.last
         lines.append("last answer: " + footer(s, s.get("generated_tokens", 0))[1:-1]
@@ -181,11 +193,10 @@ class LineReader:
 
 
 class Chat:
-    def __init__(self, client_factory: Callable[[], Awaitable], tokenizer, params: SamplingParams, *,
-                 system: str | None, out: TextIO, err: TextIO, interactive: bool):
-        self.factory, self.tok = client_factory, tokenizer
-        stops = tuple(dict.fromkeys([*params.stop_ids, *tokenizer.stop_ids]))
-        self.conv = Conversation(replace(params, stop_ids=stops), system)
+    def __init__(self, client_factory: Callable[[], Awaitable], prompts: PromptBuilder, sampling: SamplingOverrides,
+                 *, system: str | None, out: TextIO, err: TextIO, interactive: bool):
+        self.factory, self.prompts = client_factory, prompts
+        self.conv = Conversation(sampling, system)
         self.out, self.err, self.interactive = out, err, interactive
         self.client = None
 
@@ -213,9 +224,10 @@ class Chat:
     async def answer(self, user: str, got: list[int]) -> dict:
         """Stream one answer; the tokens land in `got` as they arrive (kept when cancelled)."""
         await self.connect()
-        ids = self.tok.apply_chat_template(self.conv.prompt(user), add_generation_prompt=True)
-        dec = self.tok.stream_decoder()
-        stops = set(self.conv.params.stop_ids)
+        p = self.prompts.chat(self.conv.prompt(user), self.conv.sampling)
+        self.conv.last_params = p.params
+        dec = self.prompts.tok.stream_decoder()
+        stops = set(p.params.stop_ids)
 
         def on_token(t: int) -> None:
             got.append(t)
@@ -224,15 +236,15 @@ class Chat:
                 self.out.flush()
 
         try:
-            reply = await self.client.generate(ids, self.conv.params, on_token=on_token)
+            reply = await self.client.generate(p.ids, p.params, on_token=on_token)
         finally:
             self.out.write(dec.flush())
             self.out.flush()
         return reply.stats
 
     def finish(self, user: str, got: list[int], stats: dict | None) -> None:
-        stops = set(self.conv.params.stop_ids)
-        text = self.tok.decode([t for t in got if t not in stops], skip_special=True)
+        p = self.conv.last_params
+        text = self.prompts.answer_text(got, p.stop_ids if p is not None else None)
         self.conv.messages += [{"role": "user", "content": user}, {"role": "assistant", "content": text.strip()}]
         self.conv.answers += 1
         self.conv.generated += len(got)
@@ -245,9 +257,9 @@ class Chat:
             self.say(footer(stats, len(got)), err=not self.interactive)
 
 
-def run_chat(client_factory: Callable[[], Awaitable], tokenizer, params: SamplingParams | None = None, *,
-             system: str | None = None, stdin: TextIO | None = None, out: TextIO | None = None,
-             err: TextIO | None = None, interactive: bool | None = None,
+def run_chat(client_factory: Callable[[], Awaitable], prompts: PromptBuilder,
+             sampling: SamplingOverrides | None = None, *, system: str | None = None, stdin: TextIO | None = None,
+             out: TextIO | None = None, err: TextIO | None = None, interactive: bool | None = None,
              history_file: str | Path | None = "~/.p2pk3_chat_history", banner: str | None = None) -> int:
     """Run the REPL until /quit or the end of input; returns 0. ConnectionError when the cluster cannot be
     reached at the start (later losses are reported and the next message reconnects). Must run in the main
@@ -259,8 +271,8 @@ def run_chat(client_factory: Callable[[], Awaitable], tokenizer, params: Samplin
         # Ctrl-C must stop an answer even when we were started with SIGINT ignored (a background job of a
         # non-interactive shell inherits SIG_IGN; asyncio.Runner then installs no handler)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    params = params or SamplingParams(max_tokens=tokenizer.generation_defaults.max_tokens(default=256))
-    chat = Chat(client_factory, tokenizer, params, system=system, out=out, err=err, interactive=interactive)
+    chat = Chat(client_factory, prompts, sampling or SamplingOverrides(), system=system, out=out, err=err,
+                interactive=interactive)
     reader = LineReader(stdin, out, interactive, history_file if interactive else None)
     try:
         import uvloop
@@ -313,6 +325,9 @@ def _loop(chat: Chat, reader: LineReader, runner: asyncio.Runner) -> int:
         except KeyboardInterrupt:
             chat.out.write(" ^C")
             chat.finish(text, got, None)
+            continue
+        except PromptError as e:  # the conversation no longer fits the context, ...
+            chat.say(f"error: {e} (/reset starts a new conversation)", err=True)
             continue
         except RequestError as e:
             chat.say(f"\nerror: {e}", err=True)

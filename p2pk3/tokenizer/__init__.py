@@ -12,11 +12,12 @@ BPE token) + `tokenizer_config.json` (`added_tokens_decoder`: id -> special toke
 not named in `added_tokens_decoder` are `<|reserved_token_{i}|>`, as in Kimi's `tokenization_kimi.py`.
 When a directory has both, `tokenizer.json` wins unless `prefer="tiktoken"`.
 
-`Tokenizer.apply_chat_template` always renders the built-in K3 format (`render_chat`). Front ends (chat
-REPL, OpenAI API) use `ChatTokenizer` (`chat.py`): the checkpoint's own chat template rendered as
-transformers renders it, stop ids, generation_config defaults, and streaming detokenization:
+There is one chat format: the checkpoint's own template, rendered by `ChatTokenizer` (`chat.py`) as
+transformers renders it, with its stop ids, generation_config defaults and streaming detokenization.
+`Tokenizer.apply_chat_template` is a shorthand for the same rendering (`tok.chat`, the ChatTokenizer of
+the tokenizer's directory). Front ends build prompts through p2pk3/frontends/prompt.py, which uses it:
 
-    tok = ChatTokenizer.from_pretrained(model_dir)
+    tok = ChatTokenizer.from_pretrained(model_dir)      # or load_tokenizer(model_dir).chat
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tools=None)
     tok.stop_ids, tok.generation_defaults, tok.stream_decoder()
 """
@@ -27,10 +28,10 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from .bpe import BOS, CHAT_TEMPLATE, EOS, IM_END, IM_MIDDLE, KIMI_PAT_STR, PAD, ROLE_TOKENS
+from .bpe import BOS, CHAT_TEMPLATE, EOS, IM_END, KIMI_PAT_STR, PAD
 
-__all__ = ["Tokenizer", "load_tokenizer", "render_chat", "CHAT_TEMPLATE", "ChatTokenizer", "ChatTemplateError",
-           "StreamDecoder", "GenerationDefaults", "load_generation_defaults"]
+__all__ = ["Tokenizer", "load_tokenizer", "CHAT_TEMPLATE", "ChatTokenizer", "ChatTemplateError", "StreamDecoder",
+           "GenerationDefaults", "load_generation_defaults"]
 
 
 def _token_str(v) -> str | None:
@@ -40,26 +41,14 @@ def _token_str(v) -> str | None:
     return v if isinstance(v, str) else None
 
 
-def render_chat(messages: Sequence[dict], add_generation_prompt: bool = True) -> list[tuple[str, bool]]:
-    """The chat template as pieces (text, is_special), K2/K3 style:
-    `<|im_user|>user<|im_middle|>content<|im_end|>` per turn, then `<|im_assistant|>assistant<|im_middle|>`."""
-    out: list[tuple[str, bool]] = []
-    for m in messages:
-        role = m["role"]
-        tag = ROLE_TOKENS.get(role, ROLE_TOKENS["assistant"])
-        out += [(tag, True), (m.get("name") or role, False), (IM_MIDDLE, True), (m["content"], False), (IM_END, True)]
-    if add_generation_prompt:
-        out += [(ROLE_TOKENS["assistant"], True), ("assistant", False), (IM_MIDDLE, True)]
-    return out
-
-
 class Tokenizer:
     """Common interface over the two backends."""
 
     backend: str
 
-    def __init__(self, config: dict, special: dict[str, int], vocab_size: int):
+    def __init__(self, config: dict, special: dict[str, int], vocab_size: int, directory: Path):
         self.config = config
+        self.directory = directory  # the model directory (its chat template, generation_config)
         self.special = special  # content -> id, every special slot
         self.id_to_special = {i: c for c, i in special.items()}
         self.vocab_size = vocab_size
@@ -68,7 +57,7 @@ class Tokenizer:
         self.pad_id = special.get(_token_str(config.get("pad_token")) or PAD)
         self.im_end_id = special.get(IM_END)
         self.eos_ids = {i for i in (self.eos_id, self.im_end_id) if i is not None}
-        self.chat_template = config.get("chat_template", CHAT_TEMPLATE)
+        self._chat = None
 
     # backends implement these two
     def _encode_plain(self, text: str) -> list[int]:
@@ -110,15 +99,19 @@ class Tokenizer:
             out.append(self._decode(run))
         return "".join(out)
 
+    @property
+    def chat(self):
+        """The ChatTokenizer over this tokenizer and its directory (built once)."""
+        if self._chat is None:
+            self._chat = ChatTokenizer.for_tokenizer(self)
+        return self._chat
+
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
                             tokenize: bool = True) -> list[int] | str:
-        pieces = render_chat(messages, add_generation_prompt)
+        """The checkpoint's chat template (`self.chat`): the prompt ids, or with tokenize=False the text."""
         if not tokenize:
-            return "".join(t for t, _ in pieces)
-        ids: list[int] = []
-        for text, special in pieces:
-            ids += [self.special[text]] if special else self._encode_plain(text)
-        return ids
+            return self.chat.render(messages, add_generation_prompt=add_generation_prompt)
+        return self.chat.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.backend} vocab={self.vocab_size}>"
@@ -133,7 +126,7 @@ class HFTokenizer(Tokenizer):
         self.tok = _Tok.from_file(str(path))
         self.tok.encode_special_tokens = True  # plain encode: special strings are text
         special = {t.content: i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
-        super().__init__(config, special, self.tok.get_vocab_size(with_added_tokens=True))
+        super().__init__(config, special, self.tok.get_vocab_size(with_added_tokens=True), path.parent)
 
     def _encode_plain(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -163,7 +156,7 @@ class TiktokenTokenizer(Tokenizer):
         special = {named.get(n_base + i, f"<|reserved_token_{i}|>"): n_base + i for i in range(n_special)}
         self.enc = tiktoken.Encoding(name=path.parent.name or "kimi", pat_str=pat_str, mergeable_ranks=ranks,
                                      special_tokens=special)
-        super().__init__(config, special, n_base + n_special)
+        super().__init__(config, special, n_base + n_special, path.parent)
 
     def _encode_plain(self, text: str) -> list[int]:
         return self.enc.encode_ordinary(text)

@@ -61,8 +61,8 @@ BOS, EOS, IM_END, PAD, UNK = "[BOS]", "[EOS]", "<|im_end|>", "[PAD]", "[UNK]"
 ROLE_TOKENS = {"system": "<|im_system|>", "user": "<|im_user|>", "assistant": "<|im_assistant|>"}
 IM_MIDDLE = "<|im_middle|>"
 
-# Jinja chat template stored in tokenizer_config.json (HF `apply_chat_template` compatible). The Python
-# renderer in `p2pk3.tokenizer` produces the same string. Unlike Kimi's shipped template there is no
+# Jinja chat template stored in tokenizer_config.json (HF `apply_chat_template` compatible; rendered by
+# p2pk3.tokenizer.chat, also for a checkpoint that has no template of its own). Unlike Kimi's shipped template there is no
 # default system prompt: a system turn appears only when the messages carry one. A message may carry a
 # `name` that replaces the role name after the role token (as in Kimi's template).
 CHAT_TEMPLATE = (

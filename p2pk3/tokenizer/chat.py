@@ -30,8 +30,7 @@ Ids: the rendered text is split at the special tokens the *template* wrote; thos
 text between is encoded as plain text. Special-token strings inside the caller's strings (message
 contents, tools, extra variables) stay plain text (`sanitize=True`, the default; transformers'
 `sanitize_control_tokens` idea): they are wrapped in private-use marker characters before rendering and
-recognised afterwards, so a user cannot inject `<|im_end|>`. This is also what `Tokenizer.apply_chat_template`
-has always done, so the embedded model's prompt ids do not change. `sanitize=False` gives transformers'
+recognised afterwards, so a user cannot inject `<|im_end|>`. `sanitize=False` gives transformers'
 default (every special-token string in the rendered text is a special token). Limitation: a template that
 serialises user strings with `tojson(ensure_ascii=True)` escapes the markers, so special-token strings
 there are treated as special tokens.
@@ -213,8 +212,13 @@ class ChatTokenizer:
         model directory."""
         from . import load_tokenizer
 
-        d = Path(model_dir)
-        tok = load_tokenizer(d, prefer=prefer)
+        return cls.for_tokenizer(load_tokenizer(Path(model_dir), prefer=prefer))
+
+    @classmethod
+    def for_tokenizer(cls, tok) -> ChatTokenizer:
+        """The ChatTokenizer of a loaded `Tokenizer`: the chat template(s), special tokens and
+        generation_config.json of its directory."""
+        d = Path(tok.directory)
         config = tok.config
         special_tokens = {k: s for k in NAMED_SPECIAL_TOKENS if (s := _token_str(config.get(k))) is not None}
         extra = config.get("stop_token_ids") or []  # p2pk3's own tokenizer_config field (bpe._config)

@@ -1,7 +1,9 @@
 """Generation defaults of a checkpoint, from its `generation_config.json` (Hugging Face format).
 
     g = load_generation_defaults(model_dir)        # missing file: GenerationDefaults() (greedy, no limits)
-    SamplingParams(**g.sampling_kwargs(prompt_tokens=len(ids)), stop_ids=tuple(chat_tok.stop_ids))
+    g.temperature, g.top_p, g.top_k, g.max_tokens(prompt_tokens=len(ids))
+
+Front ends do not read these themselves: p2pk3/frontends/prompt.py fills in what a request leaves unset.
 
 Fields are in the engine's terms (`p2pk3.engine.sampling.SamplingParams`): `temperature` 0 means greedy,
 `top_k` 0 means off. Reading the file:
@@ -18,6 +20,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from p2pk3.params import DEFAULT_MAX_TOKENS
+
 __all__ = ["GenerationDefaults", "load_generation_defaults"]
 
 
@@ -32,18 +36,13 @@ class GenerationDefaults:
     do_sample: bool | None = None  # as the file says; None: not given
     source: str | None = None  # the file read, None for built-in defaults
 
-    def max_tokens(self, prompt_tokens: int = 0, default: int = 64) -> int:
+    def max_tokens(self, prompt_tokens: int = 0, default: int = DEFAULT_MAX_TOKENS) -> int:
         """New tokens to allow: `max_new_tokens`, else `max_length - prompt_tokens`, else `default`."""
         if self.max_new_tokens is not None:
             return self.max_new_tokens
         if self.max_length is not None:
             return max(0, self.max_length - prompt_tokens)
         return default
-
-    def sampling_kwargs(self, prompt_tokens: int = 0, default_max_tokens: int = 64) -> dict:
-        """Keyword arguments for `SamplingParams` (without `stop_ids` / `seed`)."""
-        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
-                "max_tokens": self.max_tokens(prompt_tokens, default_max_tokens)}
 
 
 def _ids(v, where: str) -> tuple[int, ...]:
