@@ -19,6 +19,7 @@ from p2pk3.api.cluster import Cluster
 from p2pk3.api.errors import from_cluster
 from p2pk3.api.stops import StopMatcher
 from p2pk3.engine.reference import default_model_dir
+from p2pk3.frontends.prompt import PromptBuilder
 from p2pk3.node.local import LocalRing, free_ports, probe, write_local_topology
 from p2pk3.params import SamplingParams
 from p2pk3.tokenizer import ChatTokenizer
@@ -374,7 +375,7 @@ def test_cluster_errors_map_to_http(tok, tmp_path):
                 "midstream": FakeCluster(word * 3, ("unavailable", "slot s2 is down")),
                 "nobody": Cluster(topo, connect_timeout_s=0.5)}
         for name, cl in apps.items():
-            runner, url = await _serve_app(create_app(cl, tok, ApiConfig(MODEL, 4096)))
+            runner, url = await _serve_app(create_app(cl, PromptBuilder(tok, 4096), ApiConfig(MODEL)))
             try:
                 async with aiohttp.ClientSession() as s:
                     async with s.post(url + "/chat/completions",

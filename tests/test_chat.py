@@ -12,6 +12,7 @@ from p2pk3.cli import main
 from p2pk3.engine.reference import default_model_dir
 from p2pk3.frontends.repl import CommandError, Conversation, LineReader, command
 from conftest import local_ring
+from p2pk3.frontends.prompt import SamplingOverrides
 from p2pk3.params import SamplingParams
 from p2pk3.tokenizer import ChatTokenizer
 
@@ -56,7 +57,7 @@ def wait_idle(ring, deadline_s=15.0):
 
 # ---------------------------------------------------------------- without a ring
 def test_slash_commands_change_the_conversation():
-    conv = Conversation(SamplingParams(max_tokens=10))
+    conv = Conversation(SamplingOverrides(max_tokens=10))
     conv.messages += [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
     assert "2 messages" in command(conv, "/reset") and conv.messages == []
     command(conv, "/system be brief")
@@ -65,12 +66,14 @@ def test_slash_commands_change_the_conversation():
     assert conv.system is None
     command(conv, "/temp 0.7")
     command(conv, "/max 5")
-    assert (conv.params.temperature, conv.params.max_tokens) == (0.7, 5)
+    assert (conv.sampling.temperature, conv.sampling.max_tokens) == (0.7, 5)
     assert command(conv, "/quit") is None
-    for bad in ("/temp -1", "/temp nan", "/temp x", "/max 0", "/max 1.5", "/frobnicate"):
+    for bad in ("/temp -1", "/temp nan", "/temp x", "/temp 2.5", "/max 0", "/max 1.5", "/frobnicate"):
         with pytest.raises(CommandError):
             command(conv, bad)
-    assert (conv.params.temperature, conv.params.max_tokens) == (0.7, 5)
+    assert (conv.sampling.temperature, conv.sampling.max_tokens) == (0.7, 5)
+    command(conv, "/temp 2")  # the top of the range the CLI and the API accept
+    assert conv.sampling.temperature == 2.0
 
 
 def test_line_reader_continuation_and_blocks(monkeypatch):

@@ -299,7 +299,6 @@ def test_generation_defaults(tmp_path):
               "eos_token_id": [5, 6]})
     assert (g.temperature, g.top_p, g.top_k, g.eos_token_id, g.do_sample) == (0.6, 0.95, 20, (5, 6), True)
     assert g.max_tokens(30) == 70 and g.max_tokens(130) == 0
-    assert g.sampling_kwargs(prompt_tokens=30) == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "max_tokens": 70}
     assert g.source.endswith("generation_config.json")
     assert load({"do_sample": False, "temperature": 0.6}).temperature == 0.0  # greedy, as transformers
     assert load({"temperature": 0.7}).temperature == 0.7  # no do_sample: the file's temperature
@@ -315,9 +314,27 @@ def test_generation_defaults(tmp_path):
         load_generation_defaults(tmp_path)
 
 
+def _k3_format_ids(model: Path, messages, add_generation_prompt: bool) -> list[int]:
+    """The K3 chat format the embedded model was trained with, written out by hand over the `tokenizers`
+    library: `<|im_user|>user<|im_middle|>content<|im_end|>` per turn (role token by role, the name or the
+    role after it), then `<|im_assistant|>assistant<|im_middle|>`; special strings in the text stay text."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    tok.encode_special_tokens = True
+    sp = tok.token_to_id
+    role_token = {"system": "<|im_system|>", "user": "<|im_user|>"}
+    ids: list[int] = []
+    for m in messages:
+        ids += [sp(role_token.get(m["role"], "<|im_assistant|>"))] + tok.encode(m.get("name") or m["role"], add_special_tokens=False).ids
+        ids += [sp("<|im_middle|>")] + tok.encode(m["content"], add_special_tokens=False).ids + [sp("<|im_end|>")]
+    if add_generation_prompt:
+        ids += [sp("<|im_assistant|>")] + tok.encode("assistant", add_special_tokens=False).ids + [sp("<|im_middle|>")]
+    return ids
+
+
 def test_shipped_model_prompt_ids_unchanged():
-    """The front-end API gives the embedded model the same prompt ids and stop ids as the code path of
-    `p2pk3 generate` / `p2pk3 local` (load_tokenizer + Tokenizer.apply_chat_template + eos_ids)."""
+    """The embedded model's own template gives the K3 format it was trained with (prompt ids written out
+    by hand), through ChatTokenizer and through `load_tokenizer(...).apply_chat_template` (what tools use)."""
     files = {p.name for p in SHIPPED.iterdir()}
     assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= files
     old = load_tokenizer(SHIPPED)
@@ -328,10 +345,11 @@ def test_shipped_model_prompt_ids_unchanged():
     convs += [CONVERSATIONS["multi-turn"], CONVERSATIONS["system+user"]]
     for msgs in convs:
         for gen in (True, False):
-            assert new.apply_chat_template(msgs, add_generation_prompt=gen) == \
-                old.apply_chat_template(msgs, add_generation_prompt=gen)
-            assert new.render(msgs, add_generation_prompt=gen) == \
-                old.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False)
+            want = _k3_format_ids(SHIPPED, msgs, gen)
+            assert new.apply_chat_template(msgs, add_generation_prompt=gen) == want
+            assert old.apply_chat_template(msgs, add_generation_prompt=gen) == want
+            assert old.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False) == \
+                new.render(msgs, add_generation_prompt=gen)
     assert set(new.stop_ids) == old.eos_ids
     g = new.generation_defaults
     assert g.temperature == 0.0 and g.max_tokens(10) == 128 and set(g.eos_token_id) == old.eos_ids

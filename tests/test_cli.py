@@ -45,6 +45,8 @@ def refused(*args, match: str, code: int | None = None):
 @pytest.mark.parametrize("args,match", [
     (["generate", "--prompt", "hi", "--max-tokens", "-1"], "--max-tokens"),
     (["generate", "--prompt", "hi", "--temperature", "-0.5"], "--temperature"),
+    (["generate", "--prompt", "hi", "--temperature", "100"], "0<=x<=2"),  # the API's range
+    (["local", "--prompt", "hi", "--temperature", "2.5"], "0<=x<=2"),
     (["generate", "--prompt", "hi", "--top-k", "-2"], "--top-k"),
     (["generate", "--prompt", "hi", "--top-p", "0"], "--top-p"),
     (["generate", "--prompt", "hi", "--top-p", "1.5"], "--top-p"),
