@@ -528,8 +528,8 @@ def test_speculation_options_reach_the_api_and_chat():
 
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "speculate": "ngram", "draft_tokens": 4}
     req = parse_request(body, "chat", 1000)
-    assert (req.speculate, req.draft_tokens) == ("ngram", 4)
-    assert parse_request({**body, "speculate": None, "draft_tokens": None}, "chat", 1000).speculate == "off"
+    assert (req.sampling.speculate, req.sampling.draft_tokens) == ("ngram", 4)
+    assert parse_request({**body, "speculate": None, "draft_tokens": None}, "chat", 1000).sampling.speculate == "off"
     for bad, field in (({"speculate": "eagle"}, "speculate"), ({"draft_tokens": 0}, "draft_tokens")):
         with pytest.raises(ApiError) as e:
             parse_request({**body, **bad}, "chat", 1000)
