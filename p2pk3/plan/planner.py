@@ -23,11 +23,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from p2pk3.model.config import K3Config
+from p2pk3.quant.formats import TENSOR_CLASSES, parse_formats
 from p2pk3.topology import ClusterSpec, MemorySpec, ModelSpec, Slot, Topology
+from p2pk3.topology.sizing import (formats_key, kda_state_bytes, logits_bytes, mla_cache_bytes, mla_token_bytes,
+                                   part_items, workspace_bytes)
 from p2pk3.topology.specs import GiB
 
-from .memory import NON_EXPERT, _key, _layer_parts, kda_state_bytes, memory_table, mla_token_bytes, \
-    stage_traffic, workspace_bytes
+from .memory import memory_table, stage_traffic
 from .nodes import Card
 
 
@@ -83,27 +85,27 @@ def _sum(parts) -> int:
 
 
 def _units(cfg: K3Config, memory: MemorySpec, formats: dict[str, str]) -> _Units:
-    fk = _key(formats)
+    fk = formats_key(formats)
     L, E, k = cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_token
     mem, rd, lay, exp = [], [], [], []
     cont_mem, cont_rd = {}, {}
     for l in range(L):
-        attn = _sum(_layer_parts(cfg, l, "attn", True, fk))
+        attn = _sum(part_items(cfg, l, "attn", True, fk))
         if cfg.layer_types[l] == "kda":
             cache, traffic = memory.sessions * kda_state_bytes(cfg), 2 * kda_state_bytes(cfg)
         else:
-            cache = memory.sessions * memory.context * mla_token_bytes(cfg)
+            cache = mla_cache_bytes(cfg, memory.sessions, memory.context)
             traffic = memory.context * mla_token_bytes(cfg)
         if not cfg.is_moe_layer(l):
-            b = attn + _sum(_layer_parts(cfg, l, "mlp", True, fk))
+            b = attn + _sum(part_items(cfg, l, "mlp", True, fk))
             mem.append(b + cache)
             rd.append(b + traffic)
             lay.append(l)
             exp.append(-1)
             continue
-        nf = _sum(_layer_parts(cfg, l, "mlp", False, fk))
-        fin = _sum(_layer_parts(cfg, l, "mlp", True, fk)) - nf
-        one = _sum(_layer_parts(cfg, l, "expert", True, fk))
+        nf = _sum(part_items(cfg, l, "mlp", False, fk))
+        fin = _sum(part_items(cfg, l, "mlp", True, fk)) - nf
+        one = _sum(part_items(cfg, l, "expert", True, fk))
         cont_mem[l] = cont_rd[l] = nf
         mem.append(attn + nf + cache)
         rd.append(attn + nf + traffic)
@@ -115,9 +117,11 @@ def _units(cfg: K3Config, memory: MemorySpec, formats: dict[str, str]) -> _Units
         exp += list(range(E))
         mem[-1] += fin
         rd[-1] += fin
-    emb = _sum(_layer_parts(cfg, 0, "embed", True, fk))
-    head = _sum(_layer_parts(cfg, 0, "head", True, fk))
-    logits = memory.sessions * cfg.vocab_size * 4 * 2
+    emb = _sum(part_items(cfg, 0, "embed", True, fk))
+    head = _sum(part_items(cfg, 0, "head", True, fk))
+    if cfg.tie_word_embeddings:
+        head += emb  # the head slot holds the tied embedding as its lm_head (sizing.weight_items)
+    logits = logits_bytes(cfg, memory.sessions)
     mem[0] += emb
     mem[-1] += head + logits
     rd[-1] += head
@@ -183,7 +187,7 @@ def plan_ring(cfg: K3Config, cards: list[Card], *, memory: MemorySpec | None = N
     """Plan a ring over `cards` (ring order). `standby` more cards (the largest, from the end of the list)
     become hot spares besides those marked standby. Raises PlanError naming the shortfall and what would fit."""
     memory = memory or MemorySpec()
-    formats = dict(formats or {})
+    formats = parse_formats(formats)
     cards = list(cards)
     spare_ids = {c.id for c in cards if c.standby}
     cand = [c for c in cards if not c.standby]
@@ -228,7 +232,8 @@ def plan_ring(cfg: K3Config, cards: list[Card], *, memory: MemorySpec | None = N
     for c in cards:
         if c.id in spare_ids:
             slots.append(Slot(c.id, None, c.gpu_memory_gb, c.host, c.port, standby=True))
-    topo = Topology(ClusterSpec(name, secret_file), ModelSpec(path=model_path, repo=repo, preset=preset), slots,
+    topo = Topology(ClusterSpec(name, secret_file),
+                    ModelSpec(path=model_path, repo=repo, preset=preset, formats=dict(formats)), slots,
                     MemorySpec(sessions=memory.sessions, context=memory.context, prefill_chunk=memory.prefill_chunk,
                                overhead_gb=memory.overhead_gb))
     plan = Plan(topo, cards, formats=formats)
@@ -317,10 +322,9 @@ def _refusal(cfg, active, memory, formats, U, caps, const, suggest: bool) -> str
         if lo >= 1:
             opts.append(f"--context {lo * 1024}")
     for f in ("mxfp8", "mxfp4"):
-        dense = {c: f for c in NON_EXPERT}
-        if all(formats.get(c) == f for c in NON_EXPERT):
+        if all(formats.get(c) == f for c in TENSOR_CLASSES):
             continue
-        if _fits(cfg, active, m, {**formats, **dense}):
+        if _fits(cfg, active, m, parse_formats(f"non-experts={f}")):
             opts.append(f"--formats non-experts={f}")
             break
     big = max(active, key=lambda c: c.gpu_memory_gb)

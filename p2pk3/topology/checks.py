@@ -201,10 +201,12 @@ def _split_layer_problems(cfg: K3Config, l: int, own: list[int], act: list[Slot]
 
 # ----------------------------------------------------------------------------- memory (valid layouts only)
 def slot_needs(topo: "Topology", cfg: K3Config, weight_bytes_fn: WeightBytesFn | None = None) -> dict[str, int]:
-    """active slot id -> bytes it needs: `weight_bytes_fn(slot)` when given, else the estimate."""
+    """active slot id -> bytes it needs: `weight_bytes_fn(slot)` when given, else the estimate (weights in
+    the file's own `[model] formats`)."""
     if weight_bytes_fn is not None:
         return {s.id: weight_bytes_fn(s) for s in topo.active}
-    return {s.id: estimate_slot_bytes(cfg, topo.slot_plan(s, cfg), topo.memory) for s in topo.active}
+    return {s.id: estimate_slot_bytes(cfg, topo.slot_plan(s, cfg), topo.memory, topo.model.formats)
+            for s in topo.active}
 
 
 def memory_fit(topo: "Topology", cfg: K3Config, need: dict[str, int], estimated: bool = True) -> list[str]:
@@ -212,7 +214,7 @@ def memory_fit(topo: "Topology", cfg: K3Config, need: dict[str, int], estimated:
     for s in topo.active:
         n = need[s.id]
         if n > (s.gpu_memory_gb or 0) * GiB:
-            w = weight_bytes(cfg, topo.slot_plan(s, cfg)) if estimated else n
+            w = weight_bytes(cfg, topo.slot_plan(s, cfg), topo.model.formats) if estimated else n
             errs.append(f"slot {s.id} needs about {n / GiB:.1f} GiB (weights {w / GiB:.1f} GiB + caches and "
                         f"workspace {(n - w) / GiB:.1f} GiB) but has gpu_memory_gb = {s.gpu_memory_gb:g}: "
                         f"give it fewer layers/experts")
