@@ -16,7 +16,7 @@ import torch
 from p2pk3.model.cache import DEFAULT_BLOCK_SIZE, kda_session_bytes, mla_pool_bytes
 from p2pk3.model.config import K3Config
 from p2pk3.model.weights import embed_tensors, head_tensors, layer_tensors, mlp_tensors
-from p2pk3.quant.formats import class_of, packed_bytes
+from p2pk3.quant.formats import class_of, packed_bytes, parse_formats
 
 from .plans import SlotPlan
 from .specs import GiB, MemorySpec
@@ -75,8 +75,9 @@ def tensor_bytes(name: str, spec: Any, formats: Mapping[str, str]) -> tuple[str,
     return cls, _LABEL.get(spec.dtype, str(spec.dtype).replace("torch.", "")), math.prod(spec.shape) * spec.dtype.itemsize
 
 
-def formats_key(formats: Mapping[str, str] | None) -> tuple:
-    return tuple(sorted((formats or {}).items()))
+def formats_key(formats: Mapping[str, str] | str | None) -> tuple:
+    """A hashable formats map, through `parse_formats` (any spelling it accepts; FormatError otherwise)."""
+    return tuple(sorted(parse_formats(formats).items()))
 
 
 @functools.lru_cache(maxsize=8192)
@@ -136,6 +137,15 @@ def weight_items(cfg: K3Config, plan: SlotPlan, formats: Mapping[str, str] | Non
 def weight_bytes(cfg: K3Config, plan: SlotPlan, formats: Mapping[str, str] | None = None) -> int:
     """Bytes of `slot_tensors(cfg, plan)` as loaded with `formats` (checkpoint sizes when none)."""
     return sum(weight_items(cfg, plan, formats).values())
+
+
+def loaded_weight_bytes(stage: torch.nn.Module) -> int:
+    """What a loaded stage holds in weights: its parameters and persistent buffers, each storage once
+    (the figure `weight_bytes` estimates; a node reports it in its status as memory.weights)."""
+    seen: dict[tuple[int, int], int] = {}
+    for t in stage.state_dict().values():
+        seen[(t.untyped_storage().data_ptr(), t.storage_offset())] = t.nbytes
+    return sum(seen.values())
 
 
 # ----------------------------------------------------------------------------- caches and workspace
