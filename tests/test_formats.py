@@ -244,7 +244,7 @@ layers = [0, 5]
 
 
 def test_topology_formats_round_trip_and_errors():
-    from p2pk3.topology.format import Topology
+    from p2pk3.topology import Topology
     from p2pk3.topology.specs import TopologyError
     t = Topology.loads(TOPO.format(formats='formats = { attention = "mxfp8", shared_experts = "mxfp4" }'))
     assert t.model.formats == {"attention": "mxfp8", "shared_experts": "mxfp4"}

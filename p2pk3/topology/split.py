@@ -11,9 +11,9 @@ from p2pk3.model.config import K3Config
 from p2pk3.model.split import even_layer_ranges
 from p2pk3.model.weights import embed_tensors, head_tensors, layer_tensors
 
-from .format import Topology
 from .sizing import nbytes, part_bytes
 from .specs import DEFAULT_BASE_PORT, DEFAULT_BEACON_PORT, ClusterSpec, MemorySpec, ModelSpec, Slot, TopologyError
+from .topology import Topology
 
 
 def even_split(cfg: K3Config, n_nodes: int, host: str | None = "127.0.0.1", base_port: int = DEFAULT_BASE_PORT, *,
