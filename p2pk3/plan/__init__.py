@@ -4,7 +4,7 @@ Weight formats are parsed by p2pk3.quant.formats and bytes counted by p2pk3.topo
 docs/rack.md shows it on K3 over 80 RTX 5090."""
 from .memory import MemoryTable, memory_table, stage_traffic
 from .nodes import Card, NodesError, load_nodes, parse_nodes
-from .planner import Plan, PlanError, plan_ring
+from .planner import Plan, PlanError, balanced_split, plan_ring
 
 __all__ = ["MemoryTable", "memory_table", "stage_traffic", "Card", "NodesError", "load_nodes", "parse_nodes", "Plan",
-           "PlanError", "plan_ring"]
+           "PlanError", "balanced_split", "plan_ring"]

@@ -27,7 +27,7 @@ from p2pk3.quant.formats import TENSOR_CLASSES, parse_formats
 from p2pk3.topology import ClusterSpec, MemorySpec, ModelSpec, Slot, Topology
 from p2pk3.topology.sizing import (formats_key, kda_state_bytes, logits_bytes, mla_cache_bytes, mla_token_bytes,
                                    part_items, workspace_bytes)
-from p2pk3.topology.specs import GiB
+from p2pk3.topology.specs import DEFAULT_BEACON_PORT, GiB
 
 from .memory import memory_table, stage_traffic
 from .nodes import Card
@@ -250,6 +250,31 @@ def plan_ring(cfg: K3Config, cards: list[Card], *, memory: MemorySpec | None = N
         if tb.total > tb.capacity:
             raise PlanError(f"internal: slot {s.id} planned at {tb.total / GiB:.2f} GiB > {tb.capacity / GiB:.2f}")
     return plan
+
+
+def balanced_split(cfg: K3Config, n_slots: int, *, gpu_memory_gb: float, name: str = "cluster",
+                   ids: list[str] | None = None, host: str | None = None, base_port: int | None = None,
+                   n_standby: int = 0, standby_ids: list[str] | None = None, preset: str | None = None,
+                   model_path: str | None = None, repo: str | None = None, revision: str | None = None,
+                   secret_file: str | None = None, beacon_port: int = DEFAULT_BEACON_PORT,
+                   memory: MemorySpec | None = None, formats: dict | str | None = None) -> Topology:
+    """`n_slots` equal slots of `gpu_memory_gb` (+ `n_standby` spares), cut by `plan_ring` with no bandwidth
+    known: balanced by the bytes each reads per token, MoE layers split by experts where a cut falls inside
+    one, the memory left over spread evenly (`p2pk3 topology init --split experts`). Slot i gets port
+    base_port + i when `host` and `base_port` are given. Raises PlanError when the slots cannot hold the model."""
+    if n_slots < 1:
+        raise PlanError(f"need at least one slot, got {n_slots}")
+    ids = ids or [f"s{i}" for i in range(n_slots)]
+    sids = standby_ids or [f"spare{j}" for j in range(n_standby)]
+    addr = host is not None and base_port is not None
+    cards = [Card(sid, "slot", gpu_memory_gb, host=host if addr else None, port=base_port + i if addr else None,
+                  standby=i >= n_slots)
+             for i, sid in enumerate([*ids[:n_slots], *sids[:n_standby]])]
+    topo = plan_ring(cfg, cards, memory=memory, formats=formats, name=name, preset=preset, model_path=model_path,
+                     repo=repo, secret_file=secret_file).topology
+    topo.model.revision = revision
+    topo.cluster.beacon_port = beacon_port
+    return topo
 
 
 def _slots(cfg: K3Config, U: _Units, active: list[Card], cuts: list[int]) -> list[Slot]:

@@ -26,12 +26,12 @@ from .sizing import estimate_slot_bytes, runtime_bytes, slot_tensors, weight_byt
 from .specs import (
     BROADCAST, DEFAULT_BASE_PORT, DEFAULT_BEACON_PORT, GiB, ClusterSpec, MemorySpec, ModelSpec, Slot, TopologyError,
 )
-from .split import balanced_split, even_split
+from .split import even_split
 from .topology import Topology, generate_secret
 
 __all__ = [
     "TopologyError", "ClusterSpec", "ModelSpec", "MemorySpec", "Slot", "LayerPlan", "SlotPlan", "Topology",
     "slot_plan", "check", "parse_ranges", "format_ranges", "slot_tensors", "weight_bytes", "runtime_bytes",
-    "estimate_slot_bytes", "even_split", "balanced_split", "generate_secret", "GiB", "BROADCAST",
+    "estimate_slot_bytes", "even_split", "generate_secret", "GiB", "BROADCAST",
     "DEFAULT_BEACON_PORT", "DEFAULT_BASE_PORT",
 ]
