@@ -22,7 +22,6 @@ are split over several stages, the partial latent-MoE sum (spec 4.3).
 from __future__ import annotations
 
 import math
-import os
 import re
 from dataclasses import dataclass, field
 
@@ -410,8 +409,9 @@ class LatentMoE(nn.Module):
     # Optional MXFP8 (E4M3, 32-wide E8M0 blocks) fake quantization of the routed experts' input, off by
     # default: the checkpoint declares no activation quantization (spec 6.4); K3's QAT reportedly used
     # MXFP8 activations [S]. Only the expert input z is quantized here (the sm_120 W4A8 kernel variant also
-    # quantizes the intermediate). Set P2PK3_MXFP8_ACTIVATIONS=1 or the class attribute.
-    mxfp8_activations = os.environ.get("P2PK3_MXFP8_ACTIVATIONS") == "1"
+    # quantizes the intermediate). Set per stage by the formats map (`expert_inputs = "mxfp8"`, applied by
+    # p2pk3.quant.formats.apply_formats at load), or on the class.
+    mxfp8_activations = False
 
     def __init__(self, cfg: K3Config, layer_idx: int, held: list[int] | None = None, covered: list[int] | None = None,
                  finish: bool = True):

@@ -19,6 +19,10 @@ Tensor classes (`class_of` maps a module path or checkpoint name to one):
   latent         the latent-MoE projections (routed_expert_down_proj / routed_expert_up_proj)
 Never converted: the embeddings (a gather), the router (fp32 routing), AttnRes pseudo-queries, norms.
 
+One activation entry rides in the same map: ``expert_inputs = "mxfp8"`` fake-quantizes the routed experts'
+input to MXFP8 (``LatentMoE.mxfp8_activations``; K3's QAT reportedly used MXFP8 activations, the checkpoint
+declares none, so it is off by default). It costs no memory and is not part of ``non-experts``.
+
 ``apply_formats(stage, {"attention": "mxfp8", ...})`` swaps the chosen ``nn.Linear`` modules of a
 loaded stage for `MXLinear` (packed weights, the matmul through ``p2pk3_kernels.ops.mx_linear``, Triton
 or torch). With every class at ``bf16`` (the default) nothing is touched: outputs stay bit-identical.
@@ -41,7 +45,7 @@ from .mxfp4 import (E4M3_EMAX, E4M3_MAX, MX_BLOCK, MXFP4Error, _E8M0_VALUES, _fl
 
 __all__ = [
     "FormatError", "FORMATS", "TENSOR_CLASSES", "BYTES_PER_PARAM", "parse_formats", "format_spec", "class_of",
-    "packed_bytes", "GROUPS",
+    "packed_bytes", "GROUPS", "ACTIVATIONS",
     "quantize_mxfp8", "dequantize_mxfp8", "quantize_weight", "dequantize_weight", "MXLinear", "apply_formats",
     "ApplyStats",
 ]
@@ -53,6 +57,7 @@ class FormatError(ValueError):
 
 FORMATS = ("bf16", "mxfp8", "mxfp4")
 TENSOR_CLASSES = ("attention", "shared_experts", "dense", "lm_head", "latent")
+ACTIVATIONS = {"expert_inputs": ("bf16", "mxfp8")}  # activation entries and the formats each takes
 # Bytes per weight parameter of each format, scales included (what the rack simulator charges).
 BYTES_PER_PARAM = {"bf16": 2.0, "mxfp8": 1.0 + 1.0 / MX_BLOCK, "mxfp4": 0.5 + 1.0 / MX_BLOCK}
 
@@ -122,6 +127,11 @@ def parse_formats(spec: str | Mapping[str, str] | None) -> dict[str, str]:
         if k in GROUPS:
             if fmt is not None:
                 grouped.update(dict.fromkeys(GROUPS[k], fmt))
+        elif k in ACTIVATIONS:
+            if fmt is not None and fmt not in ACTIVATIONS[k]:
+                errs.append(f"{k} can be {' or '.join(ACTIVATIONS[k])}, not {fmt}")
+            elif fmt is not None:
+                named[k] = fmt
         elif k in KEPT:
             if fmt is not None and fmt not in KEPT[k]:
                 errs.append(f"{k} cannot be stored as {fmt}: {_KEPT_WHY[k]} (formats apply to "
@@ -133,17 +143,17 @@ def parse_formats(spec: str | Mapping[str, str] | None) -> dict[str, str]:
             elif fmt is not None:
                 named[c] = fmt
         else:
-            known = (*TENSOR_CLASSES, *GROUPS, *CLASS_ALIASES, *KEPT)
+            known = (*TENSOR_CLASSES, *GROUPS, *CLASS_ALIASES, *KEPT, *ACTIVATIONS)
             errs.append(f"unknown tensor class {k!r} (classes: {', '.join(TENSOR_CLASSES)}; or non-experts for "
                         f"all of them){_near(str(k), known)}")
     if errs:
         raise FormatError("formats: " + "; ".join(errs))
-    return {c: named.get(c, grouped.get(c)) for c in TENSOR_CLASSES if c in named or c in grouped}
+    return {c: named.get(c, grouped.get(c)) for c in (*TENSOR_CLASSES, *ACTIVATIONS) if c in named or c in grouped}
 
 
 def format_spec(formats: Mapping[str, str]) -> str:
     """The inverse of `parse_formats` for strings (non-bf16 classes in TENSOR_CLASSES order; "" = as shipped)."""
-    return ",".join(f"{c}={formats[c]}" for c in TENSOR_CLASSES if formats.get(c, "bf16") != "bf16")
+    return ",".join(f"{c}={formats[c]}" for c in (*TENSOR_CLASSES, *ACTIVATIONS) if formats.get(c, "bf16") != "bf16")
 
 
 _ATTN = re.compile(r"(^|\.)layers\.\d+\.self_attn\.[a-z_]+_proj(_with_mqa)?(\.weight)?$")
@@ -303,6 +313,10 @@ def apply_formats(stage: nn.Module, formats: Mapping[str, str] | str | None, *,
     the same formats, modules and `source` (see `source_fingerprint`), written otherwise. Returns ApplyStats."""
     fm = parse_formats(formats)
     stats = ApplyStats(cached=False)
+    if "expert_inputs" in fm:  # the activation entry: an instance attribute of each LatentMoE
+        for mod in stage.modules():
+            if hasattr(mod, "mxfp8_activations"):
+                mod.mxfp8_activations = fm["expert_inputs"] == "mxfp8"
     todo = []
     for name, mod in stage.named_modules():
         for cname, child in mod.named_children():
