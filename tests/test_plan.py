@@ -194,10 +194,14 @@ def test_cli_plan_refusal_is_one_line_and_topology_check_names_every_problem(tmp
     nodes.write_text('[[nodes]]\nname = "g"\ncount = 3\ngpu_memory_gb = 1.0\nmemory_bandwidth_gbs = 100\n')
     out = tmp_path / "t.toml"
     r = _cli("plan", "--model", "tiny-k3", "--nodes", str(nodes), "--out", str(out), "--sessions", "2",
-             "--context", "256", "--prefill-chunk", "64", "--overhead-gb", "0")
+             "--context", "256", "--prefill-chunk", "64", "--overhead-gb", "0", "--formats", "non-experts=mxfp8")
     assert r.returncode == 0, r.stderr
-    r = _cli("topology", "check", str(out))
+    planned = Topology.load(out)
+    assert planned.model.formats == parse_formats("non-experts=mxfp8")  # the plan writes its formats
+    r = _cli("topology", "check", str(out))  # and the check sizes the file's own formats
     assert r.returncode == 0 and "KDA state" in r.stdout and "CUDA context" in r.stdout and ": ok" in r.stdout
+    rows = [ln.split() for ln in r.stdout.splitlines() if ln.strip().startswith("weights: attention")]
+    assert rows and all(row[2] == "mxfp8" for row in rows), r.stdout
     bad = out.read_text().replace("layers = [\n    0,", "layers = [\n    1,", 1).replace('id = "g01"', 'id = "g00"')
     out.write_text(bad)
     r = _cli("topology", "check", str(out))
