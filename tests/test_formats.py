@@ -231,6 +231,38 @@ def test_parse_formats_and_errors():
     assert BYTES_PER_PARAM == {"bf16": 2.0, "mxfp8": 1 + 1 / 32, "mxfp4": 0.5 + 1 / 32}
 
 
+def test_one_vocabulary_for_the_cli_the_topology_and_the_planner():
+    every = dict.fromkeys(fmts.TENSOR_CLASSES, "mxfp8")
+    # what the planner's parser took ...
+    assert parse_formats("non-experts=mxfp8") == parse_formats("mxfp8") == parse_formats("all=mxfp8") == every
+    assert parse_formats({"non-experts": "mxfp8"}) == every  # also in a topology's [model] formats table
+    assert parse_formats("dense_mlp=mxfp4,latent_proj=shipped") == {"dense": "mxfp4", "latent": "bf16"}
+    assert parse_formats("router=shipped,routed_experts=mxfp4,embedding=shipped") == {}
+    # ... and what the loader's took, one result for both
+    assert parse_formats("dense=mxfp8") == {"dense": "mxfp8"}
+    assert parse_formats("lm_head=bf16,non-experts=mxfp4") == {**dict.fromkeys(fmts.TENSOR_CLASSES, "mxfp4"),
+                                                             "lm_head": "bf16"}  # a named class wins
+    assert parse_formats("expert_inputs=mxfp8") == {"expert_inputs": "mxfp8"}  # not part of non-experts
+    assert "expert_inputs" not in parse_formats("non-experts=mxfp8")
+    for bad, want in (("atention=mxfp8", "did you mean 'attention'?"), ("dense=mxpf8", "did you mean 'mxfp8'?"),
+                      ("non-expert=mxfp8", "did you mean 'non-experts'?"),
+                      ("router=mxfp8", "router cannot be stored as mxfp8"),
+                      ("routed_experts=mxfp8", "ship in MXFP4"), ("expert_inputs=mxfp4", "bf16 or mxfp8"),
+                      ("dense=mxfp8,dense_mlp=mxfp4", "'dense' given twice")):
+        with pytest.raises(FormatError, match=want):
+            parse_formats(bad)
+
+
+def test_expert_inputs_entry_quantizes_the_expert_input_of_the_loaded_stage(ckpt):
+    from p2pk3.model.kimi_k3 import LatentMoE
+    st = _stage(ckpt, {"expert_inputs": "mxfp8"})
+    moes = [m for m in st.modules() if isinstance(m, LatentMoE)]
+    assert moes and all(m.mxfp8_activations for m in moes) and LatentMoE.mxfp8_activations is False
+    a, b = _logits(st, TOKS), _logits(_stage(ckpt), TOKS)
+    assert not torch.equal(a, b)
+    assert rel(a, b) < 0.2
+
+
 TOPO = """
 [cluster]
 name = "t"
@@ -244,7 +276,7 @@ layers = [0, 5]
 
 
 def test_topology_formats_round_trip_and_errors():
-    from p2pk3.topology.format import Topology
+    from p2pk3.topology import Topology
     from p2pk3.topology.specs import TopologyError
     t = Topology.loads(TOPO.format(formats='formats = { attention = "mxfp8", shared_experts = "mxfp4" }'))
     assert t.model.formats == {"attention": "mxfp8", "shared_experts": "mxfp4"}

@@ -19,7 +19,8 @@ from p2pk3.node.daemon import NodeDaemon
 from p2pk3.node.local import free_ports
 from p2pk3.node.options import NodeOptions
 from p2pk3.node.client import Client, RequestError
-from p2pk3.plan import Card, NodesError, PlanError, memory_table, parse_formats, parse_nodes, plan_ring
+from p2pk3.plan import Card, NodesError, PlanError, memory_table, parse_nodes, plan_ring
+from p2pk3.quant.formats import parse_formats
 from p2pk3.plan.memory import stage_traffic
 from p2pk3.topology import GiB, MemorySpec, Topology, estimate_slot_bytes
 
@@ -120,7 +121,7 @@ def test_context_times_sessions_target_changes_the_split_and_the_table():
             sp = p.topology.slot_plan(s, KIMI_K3)
             n_mla = sum(1 for lp in sp.layers if lp.attn and lp.kind == "mla")
             rows = {r[0]: r[2] for r in p.tables[s.id].runtime}
-            assert rows.get("MLA latent cache", 0) == n * ctx * n_mla * 576 * 2
+            assert rows.get("MLA latent cache", 0) == n_mla * (n * ctx + n * 64) * 576 * 2  # + a partial block each
             assert p.tables[s.id].total <= 31.5 * GiB
     # a denser format shrinks the weight rows by the format's bytes per parameter
     sp = small.topology.slot_plan(small.topology.active[5], KIMI_K3)
@@ -193,10 +194,14 @@ def test_cli_plan_refusal_is_one_line_and_topology_check_names_every_problem(tmp
     nodes.write_text('[[nodes]]\nname = "g"\ncount = 3\ngpu_memory_gb = 1.0\nmemory_bandwidth_gbs = 100\n')
     out = tmp_path / "t.toml"
     r = _cli("plan", "--model", "tiny-k3", "--nodes", str(nodes), "--out", str(out), "--sessions", "2",
-             "--context", "256", "--prefill-chunk", "64", "--overhead-gb", "0")
+             "--context", "256", "--prefill-chunk", "64", "--overhead-gb", "0", "--formats", "non-experts=mxfp8")
     assert r.returncode == 0, r.stderr
-    r = _cli("topology", "check", str(out))
+    planned = Topology.load(out)
+    assert planned.model.formats == parse_formats("non-experts=mxfp8")  # the plan writes its formats
+    r = _cli("topology", "check", str(out))  # and the check sizes the file's own formats
     assert r.returncode == 0 and "KDA state" in r.stdout and "CUDA context" in r.stdout and ": ok" in r.stdout
+    rows = [ln.split() for ln in r.stdout.splitlines() if ln.strip().startswith("weights: attention")]
+    assert rows and all(row[2] == "mxfp8" for row in rows), r.stdout
     bad = out.read_text().replace("layers = [\n    0,", "layers = [\n    1,", 1).replace('id = "g01"', 'id = "g00"')
     out.write_text(bad)
     r = _cli("topology", "check", str(out))

@@ -13,7 +13,8 @@ import pytest
 from p2pk3.model.config import KIMI_K3, TINY_K3
 from p2pk3.model.weights import all_tensors
 from p2pk3.plan import Card, plan_ring
-from p2pk3.plan.memory import expected_distinct, kda_state_bytes
+from p2pk3.plan.memory import expected_distinct
+from p2pk3.topology.sizing import kda_state_bytes
 from p2pk3.sim import CostModel, Workload, allreduce_s, build_stages, load_profile, run, simulate_sweep, spec_width
 from p2pk3.sim.model import Unit
 from p2pk3.topology import MemorySpec, even_split

@@ -12,9 +12,10 @@ import tomli_w
 from p2pk3.model.config import KIMI_K3, TINY_K3
 from p2pk3.model.split import even_layer_ranges
 from p2pk3.model.weights import embed_tensors, head_tensors, layer_tensors
+from p2pk3.plan import balanced_split
 from p2pk3.topology import (
-    ClusterSpec, GiB, MemorySpec, ModelSpec, Slot, Topology, TopologyError, balanced_split, estimate_slot_bytes,
-    even_split, format_ranges, parse_ranges, slot_plan, slot_tensors, weight_bytes,
+    ClusterSpec, GiB, MemorySpec, ModelSpec, Slot, Topology, TopologyError, estimate_slot_bytes, even_split,
+    format_ranges, parse_ranges, slot_plan, slot_tensors, weight_bytes,
 )
 
 ROOT = Path(__file__).resolve().parents[1]

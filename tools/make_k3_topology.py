@@ -111,8 +111,8 @@ def memory_markdown(topo) -> None:
         def g(*ks, d=w):
             return f"{sum(d.get(k, 0) for k in ks) / GiB:.2f}"
         lay = f"{s.layers[0]}-{s.layers[1]}" + (" split" if s.experts else "")
-        print(f"| {s.id} | {lay} | {g('attention', 'norms')} | {g('shared_experts', 'dense_mlp')} | "
-              f"{g('router', 'latent_proj')} | {g('routed_experts')} | {g('embedding', 'lm_head')} | "
+        print(f"| {s.id} | {lay} | {g('attention', 'norms')} | {g('shared_experts', 'dense')} | "
+              f"{g('router', 'latent')} | {g('routed_experts')} | {g('embedding', 'lm_head')} | "
               f"{g('KDA state', d=r)} | {g('MLA latent cache', d=r)} | {g('activations + workspace', d=r)} | "
               f"{g('logits + sampling', d=r)} | {g('CUDA context + allocator reserve', d=r)} | {t.total / GiB:.2f} | "
               f"{t.free / GiB:.2f} |")

@@ -13,7 +13,7 @@ from .options import topology_option
 from .topo import topology
 
 FORMATS_HELP = ("weight formats per tensor class, e.g. 'non-experts=mxfp8' or 'attention=mxfp4,lm_head=bf16' "
-                "(formats: shipped, bf16, mxfp8, mxfp4)")
+                "(classes attention, shared_experts, dense, lm_head, latent; formats bf16 = shipped, mxfp8, mxfp4)")
 
 
 def load_config(model: str | None):
@@ -42,7 +42,8 @@ def load_config(model: str | None):
 def plan_cmd(model, nodes_file, context, sessions, prefill_chunk, overhead_gb, formats, standby, name,
              stage_overhead_us, out, tables):
     """A topology for a model over a list of hosts, balanced by predicted stage time."""
-    from p2pk3.plan import load_nodes, parse_formats, plan_ring
+    from p2pk3.plan import load_nodes, plan_ring
+    from p2pk3.quant.formats import parse_formats
     from p2pk3.topology import MemorySpec
     check_writable(out, "--out")
     cfg, preset, path = load_config(model)
@@ -51,7 +52,7 @@ def plan_cmd(model, nodes_file, context, sessions, prefill_chunk, overhead_gb, f
     p = plan_ring(cfg, cards, memory=MemorySpec(sessions=sessions, context=context, prefill_chunk=prefill_chunk,
                                                 overhead_gb=overhead_gb), formats=fm,
                   standby=standby, stage_overhead_us=stage_overhead_us, name=name, preset=preset, model_path=path)
-    fdesc = ", ".join(f"{k}={v}" for k, v in sorted(fm.items())) or "as shipped"
+    fdesc = ", ".join(f"{k}={v}" for k, v in p.formats.items()) or "as shipped"
     comment = (f"Planned by `p2pk3 plan` from {Path(nodes_file).name}: {len(p.topology.active)} active + "
                f"{len(p.topology.standby)} standby; {sessions} sessions x {context} tokens, prefill chunk "
                f"{prefill_chunk}; weight formats: {fdesc}.\nPace (slowest stage) {p.pace_ms:.3f} ms/token. "
@@ -70,11 +71,12 @@ def plan_cmd(model, nodes_file, context, sessions, prefill_chunk, overhead_gb, f
 @topology.command("check")
 @click.argument("path", type=click.Path(dir_okay=False))
 @click.option("--model", default=None, help="preset or model directory (default: the file's [model])")
-@click.option("--formats", default=None, help=FORMATS_HELP)
+@click.option("--formats", default=None, help=FORMATS_HELP + "; default: the file's [model] formats")
 @click.option("--quiet", is_flag=True, help="only problems")
 def topology_check(path, model, formats, quiet):
     """Validate a topology file and print each card's memory table (exit 1 naming every problem)."""
-    from p2pk3.plan import memory_table, parse_formats
+    from p2pk3.plan import memory_table
+    from p2pk3.quant.formats import parse_formats
     from p2pk3.topology import Topology
     if not Path(path).is_file():
         raise UserError(f"{path}: no such file")
@@ -86,12 +88,13 @@ def topology_check(path, model, formats, quiet):
             cfg = topo.model_config()
         except Exception as e:
             raise UserError(f"{path}: cannot read the model config ({e}); pass --model PRESET|DIR") from None
-    fm = parse_formats(formats)
-    errors, warnings = topo.check(cfg, (lambda s: memory_table(cfg, topo.slot_plan(s, cfg), topo.memory,
-                                                                 s.gpu_memory_gb or 0, fm).total) if fm else None)
+    if formats:  # instead of the file's own
+        topo.model.formats = parse_formats(formats)
+    errors, warnings = topo.check(cfg)
     if not errors and not quiet:
         for s in topo.active:
-            click.echo(memory_table(cfg, topo.slot_plan(s, cfg), topo.memory, s.gpu_memory_gb, fm).render())
+            click.echo(memory_table(cfg, topo.slot_plan(s, cfg), topo.memory, s.gpu_memory_gb,
+                                    topo.model.formats).render())
     for w in warnings:
         click.echo(f"warning: {w}", err=True)
     if errors:
@@ -106,7 +109,7 @@ def topology_check(path, model, formats, quiet):
               help="hardware profile TOML (default: p2pk3/sim/profiles/rtx5090.toml)")
 @click.option("--model", default=None, help="preset or model directory (default: the file's [model])")
 @click.option("--streams", default="1,16", show_default=True, help="concurrent streams, comma-separated")
-@click.option("--formats", default=None, help=FORMATS_HELP)
+@click.option("--formats", default=None, help=FORMATS_HELP + "; default: the file's [model] formats")
 @click.option("--accept", type=click.FloatRange(min=1.0), default=None, help="speculation: tokens accepted per pass")
 @click.option("--spec-k", type=click.IntRange(min=1), default=None, help="draft tokens per pass (default: ceil(2*(accept-1)))")
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="cards per stage in tensor parallel")
@@ -121,7 +124,7 @@ def topology_check(path, model, formats, quiet):
 def simulate_cmd(topology_path, hw_path, model, streams, formats, accept, spec_k, tp, act, prompt, new_tokens, context,
                  micro_batches, plot, as_json):
     """Discrete-event model of the ring: tokens/s per stream and in aggregate, TTFT, per-stage time."""
-    from p2pk3.plan import parse_formats
+    from p2pk3.quant.formats import parse_formats
     from p2pk3.sim import load_profile, report, simulate_sweep
     from p2pk3.topology import Topology
     check_writable(plot, "--plot")
@@ -135,7 +138,7 @@ def simulate_cmd(topology_path, hw_path, model, streams, formats, accept, spec_k
         raise click.BadParameter(f"{streams!r}: expected integers like 1,16,64", param_hint="--streams") from None
     if not ns or min(ns) < 1:
         raise click.BadParameter("give at least one stream count >= 1", param_hint="--streams")
-    results = simulate_sweep(cfg, topo, hw, ns, formats=parse_formats(formats), accept=accept, spec_k=spec_k, tp=tp,
+    results = simulate_sweep(cfg, topo, hw, ns, formats=parse_formats(formats) if formats else topo.model.formats, accept=accept, spec_k=spec_k, tp=tp,
                              act=act, prompt=prompt, new_tokens=new_tokens, context=context,
                              micro_batches=micro_batches)
     if plot:

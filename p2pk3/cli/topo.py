@@ -31,7 +31,8 @@ def topology_init(model, nodes, standby, host, base_port, split, gpu_memory_gb, 
     import ipaddress
 
     from p2pk3.model.config import K3Config
-    from p2pk3.topology import DEFAULT_BASE_PORT, balanced_split, even_split
+    from p2pk3.plan import balanced_split
+    from p2pk3.topology import DEFAULT_BASE_PORT, even_split
 
     mdir = model_dir(model)
     check_writable(out, "--out")

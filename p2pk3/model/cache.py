@@ -3,12 +3,40 @@
 Memory is allocated once, up front, from the stage's budget: `max_sessions` rows of the KDA state pools
 (one row per open session) and `max_tokens` worth of MLA cache blocks shared by all sessions. When either runs out, `CacheFull` is raised
 and the caller answers "busy" — never an out-of-memory in the middle of a forward.
+
+The byte sizes of these pools are defined here, next to the allocation, and nowhere else: the memory
+estimators (p2pk3/topology/sizing.py, the planner's table in p2pk3/plan/memory.py) call `kda_session_bytes`
+and `mla_pool_bytes`, and `StageCache` allocates exactly what they return (tests/test_cache_sizes.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
+
+
+KDA_STATE_DTYPE = torch.float32  # recurrent state and short-conv history (fp32 whatever the activation dtype)
+DEFAULT_BLOCK_SIZE = 64  # MLA cache tokens per block
+
+
+def kda_session_bytes(kda_heads: int, kda_head_dim: int, conv_channels: int, conv_size: int) -> int:
+    """One session's KDA state in one layer: the recurrent state [H, K, K] and the last conv_size - 1
+    pre-conv inputs of q, k, v [3C, conv_size - 1], both in KDA_STATE_DTYPE."""
+    item = KDA_STATE_DTYPE.itemsize
+    return kda_heads * kda_head_dim * kda_head_dim * item + conv_channels * (conv_size - 1) * item
+
+
+def mla_blocks(max_tokens: int, max_sessions: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """MLA cache blocks of one layer's pool: `max_tokens` over all sessions plus one partly filled block per
+    session."""
+    return -(-max_tokens // block_size) + max_sessions
+
+
+def mla_pool_bytes(max_tokens: int, max_sessions: int, mla_width: int, dtype: torch.dtype,
+                   block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """One MLA layer's paged latent cache: `mla_blocks` blocks of block_size x mla_width in `dtype` (the
+    stage's activation dtype)."""
+    return mla_blocks(max_tokens, max_sessions, block_size) * block_size * mla_width * dtype.itemsize
 
 
 class CacheFull(RuntimeError):
@@ -67,15 +95,15 @@ class Span:
 class StageCache:
     def __init__(self, *, kda_layers: list[int], mla_layers: list[int], kda_heads: int, kda_head_dim: int,
                  conv_channels: int, conv_size: int, mla_width: int, max_sessions: int, max_tokens: int,
-                 block_size: int = 64, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 block_size: int = DEFAULT_BLOCK_SIZE, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu"):
         self.max_sessions = max_sessions
         self.block_size = block_size
-        # max_tokens across all sessions, plus one partly filled block per session
-        self.num_blocks = (max_tokens + block_size - 1) // block_size + max_sessions if mla_layers else 0
-        K = kda_head_dim
-        # KDA: state pool [S, H, K, V] fp32 and the last (conv_size - 1) pre-conv inputs of q, k, v.
-        self.kda_state = {i: torch.zeros(max_sessions, kda_heads, K, K, dtype=torch.float32, device=device) for i in kda_layers}
-        self.conv_state = {i: torch.zeros(max_sessions, conv_channels, conv_size - 1, dtype=torch.float32, device=device)
+        self.num_blocks = mla_blocks(max_tokens, max_sessions, block_size) if mla_layers else 0
+        K, sd = kda_head_dim, KDA_STATE_DTYPE
+        # KDA: state pool [S, H, K, V] and the last (conv_size - 1) pre-conv inputs of q, k, v (kda_session_bytes)
+        self.kda_state = {i: torch.zeros(max_sessions, kda_heads, K, K, dtype=sd, device=device) for i in kda_layers}
+        self.conv_state = {i: torch.zeros(max_sessions, conv_channels, conv_size - 1, dtype=sd, device=device)
                            for i in kda_layers}
         # MLA: one paged pool per layer, all indexed by the same per-session block list.
         self.mla_kv = {i: torch.zeros(self.num_blocks, block_size, mla_width, dtype=dtype, device=device) for i in mla_layers}

@@ -22,7 +22,6 @@ are split over several stages, the partial latent-MoE sum (spec 4.3).
 from __future__ import annotations
 
 import math
-import os
 import re
 from dataclasses import dataclass, field
 
@@ -404,25 +403,29 @@ class Router(nn.Module):
 class LatentMoE(nn.Module):
     """Router on the full hidden state, experts in the latent width, RMSNorm of the combined latent,
     up-projection, plus shared experts. Holds only the routed experts of this stage (`held`); `covered`
-    are the experts held by all stages that share this layer (a split layer)."""
+    are the experts held by all stages that share this layer (a split layer). `finish` False: a stage that
+    only adds its experts' partial sum holds no shared experts and no up-projection (weights.mlp_tensors)."""
 
     # Optional MXFP8 (E4M3, 32-wide E8M0 blocks) fake quantization of the routed experts' input, off by
     # default: the checkpoint declares no activation quantization (spec 6.4); K3's QAT reportedly used
     # MXFP8 activations [S]. Only the expert input z is quantized here (the sm_120 W4A8 kernel variant also
-    # quantizes the intermediate). Set P2PK3_MXFP8_ACTIVATIONS=1 or the class attribute.
-    mxfp8_activations = os.environ.get("P2PK3_MXFP8_ACTIVATIONS") == "1"
+    # quantizes the intermediate). Set per stage by the formats map (`expert_inputs = "mxfp8"`, applied by
+    # p2pk3.quant.formats.apply_formats at load), or on the class.
+    mxfp8_activations = False
 
-    def __init__(self, cfg: K3Config, layer_idx: int, held: list[int] | None = None, covered: list[int] | None = None):
+    def __init__(self, cfg: K3Config, layer_idx: int, held: list[int] | None = None, covered: list[int] | None = None,
+                 finish: bool = True):
         super().__init__()
         self.cfg, self.layer_idx = cfg, layer_idx
         E, W, I = cfg.num_experts, cfg.expert_width, cfg.moe_intermediate_size
         self.gate = Router(cfg)
         if cfg.routed_expert_hidden_size:
             self.routed_expert_down_proj = linear(cfg.hidden_size, W)
-            self.routed_expert_up_proj = linear(W, cfg.hidden_size)
+            if finish:
+                self.routed_expert_up_proj = linear(W, cfg.hidden_size)
             if cfg.latent_moe_use_norm:
                 self.routed_expert_norm = RMSNorm(W, cfg.rms_norm_eps)
-        if cfg.num_shared_experts:
+        if cfg.num_shared_experts and finish:
             self.shared_experts = MLP(cfg, cfg.num_shared_experts * I)
         held = list(range(E)) if held is None else sorted(set(held))
         self.held, self._covered_ids = held, sorted(set(held) | set(covered or []))
@@ -551,7 +554,8 @@ def module_to_checkpoint(name: str) -> str:
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: K3Config, i: int, parts: tuple[str, ...] = ("attn", "mlp"),
-                 experts: list[int] | None = None, covered: list[int] | None = None, mla_mode: str = "auto"):
+                 experts: list[int] | None = None, covered: list[int] | None = None, mla_mode: str = "auto",
+                 finish: bool = True):
         super().__init__()
         self.cfg, self.layer_idx, self.parts = cfg, i, parts
         if "attn" in parts:
@@ -562,7 +566,7 @@ class DecoderLayer(nn.Module):
         if "mlp" in parts:
             self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             if cfg.is_moe_layer(i):
-                self.block_sparse_moe = LatentMoE(cfg, i, experts, covered)
+                self.block_sparse_moe = LatentMoE(cfg, i, experts, covered, finish)
             else:
                 self.mlp = MLP(cfg, cfg.intermediate_size)
             if cfg.uses_attn_res:
@@ -654,7 +658,8 @@ class K3Stage(nn.Module):
         if plan.embed:
             self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.model.layers = nn.ModuleDict({
-            str(i): DecoderLayer(cfg, i, plan.parts_of(i), plan.experts.get(i), plan.covered.get(i), mla_mode)
+            str(i): DecoderLayer(cfg, i, plan.parts_of(i), plan.experts.get(i), plan.covered.get(i), mla_mode,
+                                 plan.finish.get(i, True))
             for i in plan.layers
         })
         if plan.head:
@@ -740,10 +745,13 @@ class K3Stage(nn.Module):
 
     # ---------------------------------------------------------------- weights
     def expected_tensors(self) -> dict:
-        from .weights import embed_tensors, head_tensors, layer_tensors
+        from .weights import embed_tensors, head_tensors, layer_tensors, mlp_tensors
         t = embed_tensors(self.cfg) if self.plan.embed else {}
         for i in self.plan.layers:
-            t.update(layer_tensors(self.cfg, i, self.plan.experts.get(i), self.plan.parts_of(i)))
+            if "attn" in self.plan.parts_of(i):
+                t.update(layer_tensors(self.cfg, i, (), ("attn",)))
+            if "mlp" in self.plan.parts_of(i):
+                t.update(mlp_tensors(self.cfg, i, self.plan.experts.get(i), finish=self.plan.finish.get(i, True)))
         if self.plan.head:
             t.update(head_tensors(self.cfg))
         return t

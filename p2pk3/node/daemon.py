@@ -23,6 +23,7 @@ import torch
 from p2pk3.engine.reference import configure_cpu_threads, load_stage
 from p2pk3.model.config import K3Config
 from p2pk3.topology import Topology
+from p2pk3.topology.sizing import loaded_weight_bytes
 from p2pk3.transport.codec import Frame, ProtocolError
 from p2pk3.transport.connection import ConnectionClosed, TransportError, open_connection, serve
 from p2pk3.transport.messages import (ErrorCode, Result, error_frame, free_frame, parse_free, parse_result,
@@ -476,6 +477,8 @@ class NodeDaemon:
               "sessions": self.runner.sessions if self.runner else 0,
               "errors": self.stats["errors"] + (w.errors if w else 0), "uptime_s": round(time.time() - self.stats["started"], 1),
               "memory": memory_usage(self.opts.device)}
+        if self.runner is not None:  # what the planner's table sizes (p2pk3.topology.sizing)
+            st["memory"] |= {"weights": loaded_weight_bytes(self.runner.stage), "cache": self.runner.cache.bytes()}
         if self.role in ("entry", "stage") and hasattr(self, "plan"):
             st["layers"] = [self.plan.layers[0].layer, self.plan.last_layer] if self.plan.layers else None
         try:

@@ -1,113 +1,21 @@
 """The itemised memory table of one card, and the bytes its stage reads per token.
 
-Weights are grouped by tensor class; each class is stored in the checkpoint's dtype ("shipped") or in a
-format chosen per class (`--formats attention=mxfp8,...`): bf16 2 B/param, mxfp8 1 B + one E8M0 scale per
-32 values (1.03125 B), mxfp4 0.5 B + one scale per 32 (0.53125 B = 4.25 bit, the routed experts as
-shipped). Only matrices change format; norms, biases, gates' vectors and conv taps stay as shipped.
-Runtime items follow p2pk3/topology/sizing.py (the topology memory check) item by item."""
+Weights are grouped by tensor class; each class is stored as shipped or in the format the topology's
+`[model] formats` choose (p2pk3.quant.formats: bf16 2 B/param, mxfp8 1 B + one E8M0 scale per 32 values,
+mxfp4 0.5 B + one scale per 32, the routed experts as shipped). Every byte is counted by
+p2pk3/topology/sizing.py (the topology memory check adds up the same items); this module lays them out as a
+table and prices a stage's reads for the planner and the simulator."""
 from __future__ import annotations
 
-import functools
-import math
 from dataclasses import dataclass, field
+from typing import Mapping
 
 from p2pk3.model.config import K3Config
-from p2pk3.model.weights import embed_tensors, head_tensors, layer_tensors, mlp_tensors
+from p2pk3.quant.formats import BYTES_PER_PARAM
 from p2pk3.topology.plans import SlotPlan
+from p2pk3.topology.sizing import (formats_key, kda_state_bytes, mla_token_bytes, part_items, runtime_items,
+                                   weight_items)
 from p2pk3.topology.specs import GiB, MemorySpec
-
-# bytes per parameter of each weight format (None: as the checkpoint stores the tensor)
-FORMATS: dict[str, float | None] = {"shipped": None, "bf16": 2.0, "mxfp8": 1 + 1 / 32, "mxfp4": 0.5 + 1 / 32}
-CLASSES = ("attention", "dense_mlp", "shared_experts", "router", "latent_proj", "routed_experts", "embedding",
-           "lm_head", "norms")
-# classes `--formats non-experts=F` sets (router and embedding stay: routing precision; the embedding reads one
-# row per token)
-NON_EXPERT = ("attention", "dense_mlp", "shared_experts", "latent_proj", "lm_head")
-Formats = dict  # class -> format name
-
-
-def parse_formats(text: str | None) -> dict[str, str]:
-    """"attention=mxfp8,lm_head=bf16" or "non-experts=mxfp4" or "mxfp8" (= non-experts=mxfp8) -> class -> format."""
-    out: dict[str, str] = {}
-    if not text:
-        return out
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        cls, _, fmt = part.rpartition("=")
-        cls = cls.strip() or "non-experts"
-        fmt = fmt.strip()
-        if fmt not in FORMATS:
-            raise ValueError(f"unknown weight format {fmt!r} in --formats; known: {', '.join(FORMATS)}")
-        targets = NON_EXPERT if cls in ("non-experts", "non_experts", "all") else (cls,)
-        for c in targets:
-            if c not in CLASSES:
-                raise ValueError(f"unknown tensor class {c!r} in --formats; known: non-experts, {', '.join(CLASSES)}")
-            if c == "routed_experts" and fmt not in ("shipped", "mxfp4"):
-                raise ValueError("routed experts ship in MXFP4; --formats can only change the other tensor classes")
-            out[c] = fmt
-    return out
-
-
-def tensor_class(name: str, shape: tuple[int, ...]) -> str:
-    if ".experts." in name:
-        return "routed_experts"
-    if name == "model.embed_tokens.weight":
-        return "embedding"
-    if name == "lm_head.weight":
-        return "lm_head"
-    if len(shape) < 2 or min(shape) == 1 or name.endswith("conv1d.weight"):
-        return "norms"
-    if ".self_attn." in name:
-        return "attention"
-    if ".shared_experts." in name:
-        return "shared_experts"
-    if ".mlp." in name:
-        return "dense_mlp"
-    if name.endswith("block_sparse_moe.gate.weight"):
-        return "router"
-    if ".routed_expert_" in name:
-        return "latent_proj"
-    return "norms"
-
-
-def _class_bytes(specs, formats: dict[str, str]) -> dict[tuple[str, str], int]:
-    """(class, stored-as) -> bytes."""
-    out: dict[tuple[str, str], int] = {}
-    for name, s in specs.items():
-        c = tensor_class(name, s.shape)
-        n = math.prod(s.shape)
-        fmt = formats.get(c, "shipped") if c != "norms" else "shipped"
-        bpp = FORMATS[fmt]
-        if bpp is None:
-            label = "mxfp4" if c == "routed_experts" and s.dtype.itemsize == 1 else str(s.dtype).replace("torch.", "")
-            label = {"bfloat16": "bf16", "float32": "fp32"}.get(label, label)
-            b = n * s.dtype.itemsize
-        else:
-            label, b = fmt, int(round(n * bpp))
-        out[(c, label)] = out.get((c, label), 0) + b
-    return out
-
-
-def _key(formats: dict[str, str]) -> tuple:
-    return tuple(sorted(formats.items()))
-
-
-@functools.lru_cache(maxsize=8192)
-def _layer_parts(cfg: K3Config, layer: int, part: str, finish: bool, fkey: tuple) -> tuple:
-    formats = dict(fkey)
-    if part == "attn":
-        specs = layer_tensors(cfg, layer, experts=(), parts=("attn",))
-    elif part == "mlp":
-        specs = mlp_tensors(cfg, layer, (), finish=finish)
-    elif part == "expert":  # one routed expert
-        specs = {k: v for k, v in mlp_tensors(cfg, layer, (0,)).items() if ".experts." in k}
-    elif part == "embed":
-        specs = embed_tensors(cfg)
-    else:
-        specs = head_tensors(cfg)
-    return tuple(sorted(_class_bytes(specs, formats).items()))
 
 
 @dataclass
@@ -147,57 +55,12 @@ class MemoryTable:
         return "\n".join(lines)
 
 
-def kda_state_bytes(cfg: K3Config) -> int:
-    """One session's KDA state in one layer: fp32 recurrent state [H, K, K] + bf16 short-conv history."""
-    hk = cfg.kda_num_heads * cfg.kda_head_dim
-    return cfg.kda_num_heads * cfg.kda_head_dim ** 2 * 4 + 3 * hk * (cfg.kda_conv_size - 1) * 2
-
-
-def mla_token_bytes(cfg: K3Config) -> int:
-    """One token of the MLA latent cache in one layer (bf16 [kv_lora_rank + rope])."""
-    return cfg.mla_cache_width * 2
-
-
-def workspace_bytes(cfg: K3Config, prefill_chunk: int) -> int:
-    """Activations of one prefill chunk: prefix + AttnRes bank (in and out) + 16 hidden-wide temporaries."""
-    return prefill_chunk * cfg.hidden_size * 2 * (2 * (cfg.max_bank_rows + 1) + 16)
-
-
 def memory_table(cfg: K3Config, plan: SlotPlan, memory: MemorySpec, capacity_gib: float,
-                 formats: dict[str, str] | None = None) -> MemoryTable:
-    fkey = _key(formats or {})
+                 formats: Mapping[str, str] | None = None) -> MemoryTable:
+    """The card's table: `sizing.weight_items` (weights by class and format) + `sizing.runtime_items`."""
     t = MemoryTable(plan.slot, int(capacity_gib * GiB))
-
-    def add(items):
-        for k, b in items:
-            t.weights[k] = t.weights.get(k, 0) + b
-
-    if plan.embed:
-        add(_layer_parts(cfg, 0, "embed", True, fkey))
-    n_kda = n_mla = 0
-    for lp in plan.layers:
-        if lp.attn:
-            add(_layer_parts(cfg, lp.layer, "attn", True, fkey))
-            n_kda += lp.kind == "kda"
-            n_mla += lp.kind == "mla"
-        add(_layer_parts(cfg, lp.layer, "mlp", lp.finish, fkey))
-        if lp.moe and lp.experts:
-            add(((k, b * len(lp.experts)) for k, b in _layer_parts(cfg, lp.layer, "expert", True, fkey)))
-    if plan.head:
-        add(_layer_parts(cfg, 0, "head", True, fkey))
-    m = memory
-    if n_kda:
-        t.runtime.append(("KDA state", f"{m.sessions} sessions x {n_kda} layers", m.sessions * n_kda * kda_state_bytes(cfg)))
-    if n_mla:
-        t.runtime.append(("MLA latent cache", f"{m.sessions} x {m.context} tok x {n_mla} layers",
-                          m.sessions * m.context * n_mla * mla_token_bytes(cfg)))
-    if plan.layers:
-        t.runtime.append(("activations + workspace", f"prefill chunk {m.prefill_chunk} tok",
-                          workspace_bytes(cfg, m.prefill_chunk)))
-    if plan.head:
-        t.runtime.append(("logits + sampling", f"{m.sessions} rows x vocab {cfg.vocab_size} fp32 x2",
-                          m.sessions * cfg.vocab_size * 4 * 2))
-    t.runtime.append(("CUDA context + allocator reserve", "overhead_gb", int(m.overhead_gb * GiB)))
+    t.weights = weight_items(cfg, plan, formats)
+    t.runtime = runtime_items(cfg, plan, memory)
     return t
 
 
@@ -205,7 +68,7 @@ def memory_table(cfg: K3Config, plan: SlotPlan, memory: MemorySpec, capacity_gib
 class StageTraffic:
     """What one stage reads from memory per pass, split so a simulator can price it.
 
-    dense:   class -> bytes of non-expert weights read once per pass (all of them; the embedding: 0)
+    dense:   stored-as format -> bytes of non-expert weights read once per pass (all of them; the embedding: 0)
     experts: per MoE layer held here, (experts held, bytes of one expert, experts in the model, top-k)
     kda_state: bytes of KDA state read + written per stream per pass
     mla_per_ctx_token: bytes of MLA cache read per stream per pass, per token of context
@@ -220,8 +83,8 @@ class StageTraffic:
     hop_partial_bytes_per_token: int
 
 
-def stage_traffic(cfg: K3Config, plan: SlotPlan, formats: dict[str, str] | None = None) -> StageTraffic:
-    fkey = _key(formats or {})
+def stage_traffic(cfg: K3Config, plan: SlotPlan, formats: Mapping[str, str] | None = None) -> StageTraffic:
+    fkey = formats_key(formats)
     dense: dict[str, int] = {}
     experts = []
     n_kda = n_mla = 0
@@ -237,16 +100,18 @@ def stage_traffic(cfg: K3Config, plan: SlotPlan, formats: dict[str, str] | None 
 
     for lp in plan.layers:
         if lp.attn:
-            add(_layer_parts(cfg, lp.layer, "attn", True, fkey))
+            add(part_items(cfg, lp.layer, "attn", True, fkey))
             n_kda += lp.kind == "kda"
             n_mla += lp.kind == "mla"
-        add(_layer_parts(cfg, lp.layer, "mlp", lp.finish, fkey))
+        add(part_items(cfg, lp.layer, "mlp", lp.finish, fkey))
         if lp.moe and lp.experts:
-            one = sum(b for _, b in _layer_parts(cfg, lp.layer, "expert", True, fkey))
+            one_items = part_items(cfg, lp.layer, "expert", True, fkey)
+            one = sum(b for _, b in one_items)
             experts.append((len(lp.experts), one, cfg.num_experts, cfg.num_experts_per_token))
-            params += len(lp.experts) / cfg.num_experts * cfg.num_experts_per_token * one / 0.53125
+            params += len(lp.experts) / cfg.num_experts * cfg.num_experts_per_token * \
+                sum(b / _bpp(f) for (_, f), b in one_items)
     if plan.head:
-        add(_layer_parts(cfg, 0, "head", True, fkey))
+        add(part_items(cfg, 0, "head", True, fkey))
     hop = plan.hop_bytes_per_token_out(cfg, 2)
     partial = cfg.expert_width * 4 if plan.exits_mid_moe else 0
     return StageTraffic(dense, experts, n_kda * 2 * kda_state_bytes(cfg), n_mla * mla_token_bytes(cfg), params,
@@ -254,7 +119,8 @@ def stage_traffic(cfg: K3Config, plan: SlotPlan, formats: dict[str, str] | None 
 
 
 def _bpp(label: str) -> float:
-    return {"bf16": 2.0, "fp32": 4.0, "mxfp8": 1 + 1 / 32, "mxfp4": 0.53125, "uint8": 1.0}.get(label, 2.0)
+    """Bytes per parameter of a stored-as label (`sizing.tensor_bytes`)."""
+    return {**BYTES_PER_PARAM, "fp32": 4.0}.get(label, 2.0)
 
 
 def expected_distinct(n_experts: int, top_k: int, tokens: float) -> float:

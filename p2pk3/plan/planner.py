@@ -23,11 +23,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from p2pk3.model.config import K3Config
+from p2pk3.quant.formats import TENSOR_CLASSES, parse_formats
 from p2pk3.topology import ClusterSpec, MemorySpec, ModelSpec, Slot, Topology
-from p2pk3.topology.specs import GiB
+from p2pk3.topology.sizing import (formats_key, kda_state_bytes, logits_bytes, mla_cache_bytes, mla_token_bytes,
+                                   part_items, workspace_bytes)
+from p2pk3.topology.specs import DEFAULT_BEACON_PORT, GiB
 
-from .memory import NON_EXPERT, _key, _layer_parts, kda_state_bytes, memory_table, mla_token_bytes, \
-    stage_traffic, workspace_bytes
+from .memory import memory_table, stage_traffic
 from .nodes import Card
 
 
@@ -83,27 +85,27 @@ def _sum(parts) -> int:
 
 
 def _units(cfg: K3Config, memory: MemorySpec, formats: dict[str, str]) -> _Units:
-    fk = _key(formats)
+    fk = formats_key(formats)
     L, E, k = cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_token
     mem, rd, lay, exp = [], [], [], []
     cont_mem, cont_rd = {}, {}
     for l in range(L):
-        attn = _sum(_layer_parts(cfg, l, "attn", True, fk))
+        attn = _sum(part_items(cfg, l, "attn", True, fk))
         if cfg.layer_types[l] == "kda":
             cache, traffic = memory.sessions * kda_state_bytes(cfg), 2 * kda_state_bytes(cfg)
         else:
-            cache = memory.sessions * memory.context * mla_token_bytes(cfg)
+            cache = mla_cache_bytes(cfg, memory.sessions, memory.context)
             traffic = memory.context * mla_token_bytes(cfg)
         if not cfg.is_moe_layer(l):
-            b = attn + _sum(_layer_parts(cfg, l, "mlp", True, fk))
+            b = attn + _sum(part_items(cfg, l, "mlp", True, fk))
             mem.append(b + cache)
             rd.append(b + traffic)
             lay.append(l)
             exp.append(-1)
             continue
-        nf = _sum(_layer_parts(cfg, l, "mlp", False, fk))
-        fin = _sum(_layer_parts(cfg, l, "mlp", True, fk)) - nf
-        one = _sum(_layer_parts(cfg, l, "expert", True, fk))
+        nf = _sum(part_items(cfg, l, "mlp", False, fk))
+        fin = _sum(part_items(cfg, l, "mlp", True, fk)) - nf
+        one = _sum(part_items(cfg, l, "expert", True, fk))
         cont_mem[l] = cont_rd[l] = nf
         mem.append(attn + nf + cache)
         rd.append(attn + nf + traffic)
@@ -115,9 +117,11 @@ def _units(cfg: K3Config, memory: MemorySpec, formats: dict[str, str]) -> _Units
         exp += list(range(E))
         mem[-1] += fin
         rd[-1] += fin
-    emb = _sum(_layer_parts(cfg, 0, "embed", True, fk))
-    head = _sum(_layer_parts(cfg, 0, "head", True, fk))
-    logits = memory.sessions * cfg.vocab_size * 4 * 2
+    emb = _sum(part_items(cfg, 0, "embed", True, fk))
+    head = _sum(part_items(cfg, 0, "head", True, fk))
+    if cfg.tie_word_embeddings:
+        head += emb  # the head slot holds the tied embedding as its lm_head (sizing.weight_items)
+    logits = logits_bytes(cfg, memory.sessions)
     mem[0] += emb
     mem[-1] += head + logits
     rd[-1] += head
@@ -183,7 +187,7 @@ def plan_ring(cfg: K3Config, cards: list[Card], *, memory: MemorySpec | None = N
     """Plan a ring over `cards` (ring order). `standby` more cards (the largest, from the end of the list)
     become hot spares besides those marked standby. Raises PlanError naming the shortfall and what would fit."""
     memory = memory or MemorySpec()
-    formats = dict(formats or {})
+    formats = parse_formats(formats)
     cards = list(cards)
     spare_ids = {c.id for c in cards if c.standby}
     cand = [c for c in cards if not c.standby]
@@ -228,7 +232,8 @@ def plan_ring(cfg: K3Config, cards: list[Card], *, memory: MemorySpec | None = N
     for c in cards:
         if c.id in spare_ids:
             slots.append(Slot(c.id, None, c.gpu_memory_gb, c.host, c.port, standby=True))
-    topo = Topology(ClusterSpec(name, secret_file), ModelSpec(path=model_path, repo=repo, preset=preset), slots,
+    topo = Topology(ClusterSpec(name, secret_file),
+                    ModelSpec(path=model_path, repo=repo, preset=preset, formats=dict(formats)), slots,
                     MemorySpec(sessions=memory.sessions, context=memory.context, prefill_chunk=memory.prefill_chunk,
                                overhead_gb=memory.overhead_gb))
     plan = Plan(topo, cards, formats=formats)
@@ -245,6 +250,31 @@ def plan_ring(cfg: K3Config, cards: list[Card], *, memory: MemorySpec | None = N
         if tb.total > tb.capacity:
             raise PlanError(f"internal: slot {s.id} planned at {tb.total / GiB:.2f} GiB > {tb.capacity / GiB:.2f}")
     return plan
+
+
+def balanced_split(cfg: K3Config, n_slots: int, *, gpu_memory_gb: float, name: str = "cluster",
+                   ids: list[str] | None = None, host: str | None = None, base_port: int | None = None,
+                   n_standby: int = 0, standby_ids: list[str] | None = None, preset: str | None = None,
+                   model_path: str | None = None, repo: str | None = None, revision: str | None = None,
+                   secret_file: str | None = None, beacon_port: int = DEFAULT_BEACON_PORT,
+                   memory: MemorySpec | None = None, formats: dict | str | None = None) -> Topology:
+    """`n_slots` equal slots of `gpu_memory_gb` (+ `n_standby` spares), cut by `plan_ring` with no bandwidth
+    known: balanced by the bytes each reads per token, MoE layers split by experts where a cut falls inside
+    one, the memory left over spread evenly (`p2pk3 topology init --split experts`). Slot i gets port
+    base_port + i when `host` and `base_port` are given. Raises PlanError when the slots cannot hold the model."""
+    if n_slots < 1:
+        raise PlanError(f"need at least one slot, got {n_slots}")
+    ids = ids or [f"s{i}" for i in range(n_slots)]
+    sids = standby_ids or [f"spare{j}" for j in range(n_standby)]
+    addr = host is not None and base_port is not None
+    cards = [Card(sid, "slot", gpu_memory_gb, host=host if addr else None, port=base_port + i if addr else None,
+                  standby=i >= n_slots)
+             for i, sid in enumerate([*ids[:n_slots], *sids[:n_standby]])]
+    topo = plan_ring(cfg, cards, memory=memory, formats=formats, name=name, preset=preset, model_path=model_path,
+                     repo=repo, secret_file=secret_file).topology
+    topo.model.revision = revision
+    topo.cluster.beacon_port = beacon_port
+    return topo
 
 
 def _slots(cfg: K3Config, U: _Units, active: list[Card], cuts: list[int]) -> list[Slot]:
@@ -317,10 +347,9 @@ def _refusal(cfg, active, memory, formats, U, caps, const, suggest: bool) -> str
         if lo >= 1:
             opts.append(f"--context {lo * 1024}")
     for f in ("mxfp8", "mxfp4"):
-        dense = {c: f for c in NON_EXPERT}
-        if all(formats.get(c) == f for c in NON_EXPERT):
+        if all(formats.get(c) == f for c in TENSOR_CLASSES):
             continue
-        if _fits(cfg, active, m, {**formats, **dense}):
+        if _fits(cfg, active, m, parse_formats(f"non-experts={f}")):
             opts.append(f"--formats non-experts={f}")
             break
     big = max(active, key=lambda c: c.gpu_memory_gb)

@@ -19,12 +19,17 @@ Tensor classes (`class_of` maps a module path or checkpoint name to one):
   latent         the latent-MoE projections (routed_expert_down_proj / routed_expert_up_proj)
 Never converted: the embeddings (a gather), the router (fp32 routing), AttnRes pseudo-queries, norms.
 
+One activation entry rides in the same map: ``expert_inputs = "mxfp8"`` fake-quantizes the routed experts'
+input to MXFP8 (``LatentMoE.mxfp8_activations``; K3's QAT reportedly used MXFP8 activations, the checkpoint
+declares none, so it is off by default). It costs no memory and is not part of ``non-experts``.
+
 ``apply_formats(stage, {"attention": "mxfp8", ...})`` swaps the chosen ``nn.Linear`` modules of a
 loaded stage for `MXLinear` (packed weights, the matmul through ``p2pk3_kernels.ops.mx_linear``, Triton
 or torch). With every class at ``bf16`` (the default) nothing is touched: outputs stay bit-identical.
 """
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
@@ -40,6 +45,7 @@ from .mxfp4 import (E4M3_EMAX, E4M3_MAX, MX_BLOCK, MXFP4Error, _E8M0_VALUES, _fl
 
 __all__ = [
     "FormatError", "FORMATS", "TENSOR_CLASSES", "BYTES_PER_PARAM", "parse_formats", "format_spec", "class_of",
+    "packed_bytes", "GROUPS", "ACTIVATIONS",
     "quantize_mxfp8", "dequantize_mxfp8", "quantize_weight", "dequantize_weight", "MXLinear", "apply_formats",
     "ApplyStats",
 ]
@@ -51,48 +57,103 @@ class FormatError(ValueError):
 
 FORMATS = ("bf16", "mxfp8", "mxfp4")
 TENSOR_CLASSES = ("attention", "shared_experts", "dense", "lm_head", "latent")
+ACTIVATIONS = {"expert_inputs": ("bf16", "mxfp8")}  # activation entries and the formats each takes
 # Bytes per weight parameter of each format, scales included (what the rack simulator charges).
 BYTES_PER_PARAM = {"bf16": 2.0, "mxfp8": 1.0 + 1.0 / MX_BLOCK, "mxfp4": 0.5 + 1.0 / MX_BLOCK}
 
+# The one vocabulary of a formats map (CLI strings, the topology's [model] formats, the planner):
+FORMAT_ALIASES = {"shipped": "bf16"}  # the non-expert matrices ship in BF16
+CLASS_ALIASES = {"dense_mlp": "dense", "latent_proj": "latent"}  # the planner's older row names
+GROUPS = {"non-experts": TENSOR_CLASSES, "non_experts": TENSOR_CLASSES, "all": TENSOR_CLASSES}
+# named so that "router=shipped" reads as intended, but never converted: only these formats (a no-op) are allowed
+KEPT = {"router": ("bf16",), "embedding": ("bf16",), "norms": ("bf16",), "routed_experts": ("mxfp4", "bf16")}
+_KEPT_WHY = {"router": "the router stays as shipped (routing runs in fp32)",
+             "embedding": "the embedding stays as shipped (a gather of one row per token)",
+             "norms": "norms, gate vectors and conv taps stay as shipped",
+             "routed_experts": "the routed experts ship in MXFP4 and are loaded as they are"}
+
+
+def _near(word: str, known) -> str:
+    m = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
+    return f"; did you mean {m[0]!r}?" if m else ""
+
+
+def _format_name(cls: str, v, errs: list[str]) -> str | None:
+    if isinstance(v, str) and (v in FORMATS or v in FORMAT_ALIASES):
+        return FORMAT_ALIASES.get(v, v)
+    known = (*FORMATS, *FORMAT_ALIASES)
+    errs.append(f"{cls}: unknown format {v!r} (formats: {', '.join(known)})"
+                + (_near(v, known) if isinstance(v, str) else ""))
+    return None
+
 
 def parse_formats(spec: str | Mapping[str, str] | None) -> dict[str, str]:
-    """A formats map from a dict (the topology's ``formats`` table) or a string
-    ``"attention=mxfp8,shared_experts=mxfp4"`` (the CLI). Classes not named stay ``bf16``; the result names
-    only the classes given. Raises FormatError naming every unknown class or format."""
+    """A formats map {class: format} over TENSOR_CLASSES from a dict (the topology's ``formats`` table) or a
+    string (the CLI): ``"attention=mxfp8,shared_experts=mxfp4"``, ``"non-experts=mxfp8"`` (every class;
+    ``non_experts`` and ``all`` too), ``"mxfp8"`` (= non-experts=mxfp8), ``"non-experts=mxfp8,lm_head=bf16"``
+    (a class named on its own wins over a group, in any order). ``shipped`` means bf16; ``dense_mlp`` and
+    ``latent_proj`` mean dense and latent; router / embedding / norms / routed_experts may be named only with
+    the format they keep. Classes not named stay ``bf16``; the result names only the classes given.
+    Raises FormatError naming every unknown class or format, with the nearest known name."""
     if spec is None:
         return {}
+    errs: list[str] = []
     if isinstance(spec, str):
-        out: dict[str, str] = {}
-        errs = []
+        pairs: list[tuple[str, str]] = []
         for part in (p.strip() for p in spec.split(",")):
             if not part:
                 continue
             if "=" not in part:
-                errs.append(f"{part!r} is not CLASS=FORMAT (e.g. attention=mxfp8)")
+                if part in FORMATS or part in FORMAT_ALIASES:
+                    pairs.append(("non-experts", part))
+                else:
+                    errs.append(f"{part!r} is not CLASS=FORMAT (e.g. attention=mxfp8, non-experts=mxfp8)")
                 continue
-            k, v = (s.strip() for s in part.split("=", 1))
-            if k in out:
-                errs.append(f"tensor class {k!r} given twice")
-            out[k] = v
-        if errs:
-            raise FormatError("formats: " + "; ".join(errs))
-        spec = out
-    if not isinstance(spec, Mapping):
+            k, v = (x.strip() for x in part.split("=", 1))
+            pairs.append((k, v))
+    elif isinstance(spec, Mapping):
+        pairs = list(spec.items())
+    else:
         raise FormatError(f"formats must be a table like {{ attention = \"mxfp8\" }}, got {type(spec).__name__}")
-    errs = []
-    for k, v in spec.items():
-        if k not in TENSOR_CLASSES:
-            errs.append(f"unknown tensor class {k!r} (classes: {', '.join(TENSOR_CLASSES)})")
-        if not isinstance(v, str) or v not in FORMATS:
-            errs.append(f"{k}: unknown format {v!r} (formats: {', '.join(FORMATS)})")
+    named: dict[str, str] = {}
+    grouped: dict[str, str] = {}
+    seen: set[str] = set()
+    for k, v in pairs:
+        if k in seen:
+            errs.append(f"tensor class {k!r} given twice")
+            continue
+        seen.add(k)
+        fmt = _format_name(k, v, errs)
+        if k in GROUPS:
+            if fmt is not None:
+                grouped.update(dict.fromkeys(GROUPS[k], fmt))
+        elif k in ACTIVATIONS:
+            if fmt is not None and fmt not in ACTIVATIONS[k]:
+                errs.append(f"{k} can be {' or '.join(ACTIVATIONS[k])}, not {fmt}")
+            elif fmt is not None:
+                named[k] = fmt
+        elif k in KEPT:
+            if fmt is not None and fmt not in KEPT[k]:
+                errs.append(f"{k} cannot be stored as {fmt}: {_KEPT_WHY[k]} (formats apply to "
+                            f"{', '.join(TENSOR_CLASSES)})")
+        elif k in TENSOR_CLASSES or k in CLASS_ALIASES:
+            c = CLASS_ALIASES.get(k, k)
+            if c in named:
+                errs.append(f"tensor class {c!r} given twice (as {k!r})")
+            elif fmt is not None:
+                named[c] = fmt
+        else:
+            known = (*TENSOR_CLASSES, *GROUPS, *CLASS_ALIASES, *KEPT, *ACTIVATIONS)
+            errs.append(f"unknown tensor class {k!r} (classes: {', '.join(TENSOR_CLASSES)}; or non-experts for "
+                        f"all of them){_near(str(k), known)}")
     if errs:
         raise FormatError("formats: " + "; ".join(errs))
-    return dict(spec)
+    return {c: named.get(c, grouped.get(c)) for c in (*TENSOR_CLASSES, *ACTIVATIONS) if c in named or c in grouped}
 
 
 def format_spec(formats: Mapping[str, str]) -> str:
     """The inverse of `parse_formats` for strings (non-bf16 classes in TENSOR_CLASSES order; "" = as shipped)."""
-    return ",".join(f"{c}={formats[c]}" for c in TENSOR_CLASSES if formats.get(c, "bf16") != "bf16")
+    return ",".join(f"{c}={formats[c]}" for c in (*TENSOR_CLASSES, *ACTIVATIONS) if formats.get(c, "bf16") != "bf16")
 
 
 _ATTN = re.compile(r"(^|\.)layers\.\d+\.self_attn\.[a-z_]+_proj(_with_mqa)?(\.weight)?$")
@@ -110,6 +171,19 @@ def class_of(name: str) -> str | None:
         if rx.search(name):
             return cls
     return None
+
+
+def packed_bytes(out_features: int, in_features: int, fmt: str) -> int:
+    """Bytes of an [out, in] matrix held as `fmt` by MXLinear (data + E8M0 scales, the in dim padded to 32);
+    bf16: 2 bytes per value. What the memory estimators charge for a converted matrix."""
+    kp = -(-in_features // MX_BLOCK) * MX_BLOCK
+    if fmt == "mxfp8":
+        return out_features * (kp + kp // MX_BLOCK)
+    if fmt == "mxfp4":
+        return out_features * (kp // 2 + kp // MX_BLOCK)
+    if fmt == "bf16":
+        return out_features * in_features * 2
+    raise FormatError(f"unknown format {fmt!r} (formats: {', '.join(FORMATS)})")
 
 
 # ------------------------------------------------------------------------------------------- MXFP8
@@ -239,6 +313,10 @@ def apply_formats(stage: nn.Module, formats: Mapping[str, str] | str | None, *,
     the same formats, modules and `source` (see `source_fingerprint`), written otherwise. Returns ApplyStats."""
     fm = parse_formats(formats)
     stats = ApplyStats(cached=False)
+    if "expert_inputs" in fm:  # the activation entry: an instance attribute of each LatentMoE
+        for mod in stage.modules():
+            if hasattr(mod, "mxfp8_activations"):
+                mod.mxfp8_activations = fm["expert_inputs"] == "mxfp8"
     todo = []
     for name, mod in stage.named_modules():
         for cname, child in mod.named_children():

@@ -1,6 +1,8 @@
 """The simulator's figures as a table, JSON, or a PNG (matplotlib, needed only for --plot)."""
 from __future__ import annotations
 
+from p2pk3.quant.formats import parse_formats
+
 from .events import SimResult
 from .hardware import Profile
 
@@ -58,9 +60,8 @@ def plot(results: list[SimResult], path: str, title: str = "") -> None:
     plt.close(fig)
 
 
-NON_EXPERTS = ("attention", "dense_mlp", "shared_experts", "latent_proj", "lm_head")
-FORMAT_ROWS = (("BF16 as shipped", {}), ("MXFP8 non-experts", {c: "mxfp8" for c in NON_EXPERTS}),
-               ("MXFP4 non-experts", {c: "mxfp4" for c in NON_EXPERTS}))
+FORMAT_ROWS = (("BF16 as shipped", {}), ("MXFP8 non-experts", parse_formats("non-experts=mxfp8")),
+               ("MXFP4 non-experts", parse_formats("non-experts=mxfp4")))
 
 
 def capacity_sessions(cfg, cards, context: int, formats: dict, prefill_chunk: int = 2048, overhead_gb: float = 1.0,

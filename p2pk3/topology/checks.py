@@ -8,18 +8,33 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import pairwise
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 from p2pk3.model.config import K3Config
 
+from .plans import SlotPlan
 from .ranges import format_ranges
 from .sizing import estimate_slot_bytes, weight_bytes
-from .specs import GiB, Slot
+from .specs import GiB, MemorySpec, ModelSpec, Slot
 
-if TYPE_CHECKING:
-    from .format import Topology
 
-Checker = Callable[["Topology", K3Config], list[str]]
+class Ring(Protocol):
+    """What the checkers read of a topology (`Topology`, topology.py, is one; it runs `check` on itself)."""
+
+    slots: list[Slot]
+    model: ModelSpec
+    memory: MemorySpec
+
+    @property
+    def active(self) -> list[Slot]: ...
+
+    @property
+    def standby(self) -> list[Slot]: ...
+
+    def slot_plan(self, slot: Slot | str, cfg: K3Config) -> SlotPlan: ...
+
+
+Checker = Callable[[Ring, K3Config], list[str]]
 WeightBytesFn = Callable[[Slot], int]
 
 
@@ -32,14 +47,14 @@ def _are(items: list[Any]) -> str:
 
 
 # ----------------------------------------------------------------------------- ids, addresses, standby
-def duplicate_ids(topo: "Topology", cfg: K3Config) -> list[str]:
+def duplicate_ids(topo: Ring, cfg: K3Config) -> list[str]:
     seen: dict[str, int] = {}
     for s in topo.slots:
         seen[s.id] = seen.get(s.id, 0) + 1
     return [f"duplicate slot id {sid!r} ({n} slots)" for sid, n in seen.items() if n > 1]
 
 
-def duplicate_addresses(topo: "Topology", cfg: K3Config) -> list[str]:
+def duplicate_addresses(topo: Ring, cfg: K3Config) -> list[str]:
     errs, addrs = [], {}
     for s in topo.slots:
         if s.host and s.port:
@@ -49,17 +64,17 @@ def duplicate_addresses(topo: "Topology", cfg: K3Config) -> list[str]:
     return errs
 
 
-def standby_holds_nothing(topo: "Topology", cfg: K3Config) -> list[str]:
+def standby_holds_nothing(topo: Ring, cfg: K3Config) -> list[str]:
     return [f"standby slot {s.id} must not hold layers or experts (hot spares take over a slot's work)"
             for s in topo.standby if s.layers is not None or s.experts]
 
 
-def has_active_slots(topo: "Topology", cfg: K3Config) -> list[str]:
+def has_active_slots(topo: Ring, cfg: K3Config) -> list[str]:
     return [] if topo.active else ["no active slots: every slot is standby"]
 
 
 # ----------------------------------------------------------------------------- each active slot's fields
-def slot_layers(topo: "Topology", cfg: K3Config) -> list[str]:
+def slot_layers(topo: Ring, cfg: K3Config) -> list[str]:
     """Every active slot has layers [first, last], in order and inside the model."""
     errs, L = [], cfg.num_hidden_layers
     for s in topo.active:
@@ -74,12 +89,12 @@ def slot_layers(topo: "Topology", cfg: K3Config) -> list[str]:
     return errs
 
 
-def slot_gpu_memory(topo: "Topology", cfg: K3Config) -> list[str]:
+def slot_gpu_memory(topo: Ring, cfg: K3Config) -> list[str]:
     return [f"slot {s.id} has no gpu_memory_gb" for s in topo.active
             if s.layers is not None and s.gpu_memory_gb is None]
 
 
-def slot_experts(topo: "Topology", cfg: K3Config) -> list[str]:
+def slot_experts(topo: Ring, cfg: K3Config) -> list[str]:
     """Expert lists name layers of the slot that have routed experts, and experts that exist."""
     errs, E = [], cfg.num_experts
     for s in topo.active:
@@ -101,7 +116,7 @@ def slot_experts(topo: "Topology", cfg: K3Config) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- the ring's layout
-def _owners(topo: "Topology", cfg: K3Config) -> dict[int, list[int]]:
+def _owners(topo: Ring, cfg: K3Config) -> dict[int, list[int]]:
     """layer -> positions (among the active slots) of the slots holding it."""
     owners: dict[int, list[int]] = {l: [] for l in range(cfg.num_hidden_layers)}
     for i, s in enumerate(topo.active):
@@ -116,7 +131,7 @@ def _neighbour_overlap(x: Slot, y: Slot) -> list[int]:
     return ov if len(ov) > 1 or (ov and ov[0] != x.layers[1]) else []
 
 
-def layer_gaps(topo: "Topology", cfg: K3Config) -> list[str]:
+def layer_gaps(topo: Ring, cfg: K3Config) -> list[str]:
     owners = _owners(topo, cfg)
     gaps = [l for l, own in owners.items() if not own]
     if not gaps:
@@ -124,7 +139,7 @@ def layer_gaps(topo: "Topology", cfg: K3Config) -> list[str]:
     return [f"{_plural('layer', gaps)} {format_ranges(gaps).replace(',', ', ')} {_are(gaps)} not assigned to any slot"]
 
 
-def neighbour_overlaps(topo: "Topology", cfg: K3Config) -> list[str]:
+def neighbour_overlaps(topo: Ring, cfg: K3Config) -> list[str]:
     errs, act = [], topo.active
     for x, y in pairwise(act):
         ov = _neighbour_overlap(x, y)
@@ -134,7 +149,7 @@ def neighbour_overlaps(topo: "Topology", cfg: K3Config) -> list[str]:
     return errs
 
 
-def ring_order(topo: "Topology", cfg: K3Config) -> list[str]:
+def ring_order(topo: Ring, cfg: K3Config) -> list[str]:
     """Each active slot starts where the previous one ended (a shared split layer) or right after it."""
     errs, act, owners = [], topo.active, _owners(topo, cfg)
     for x, y in pairwise(act):
@@ -147,7 +162,7 @@ def ring_order(topo: "Topology", cfg: K3Config) -> list[str]:
     return errs
 
 
-def unsplit_layer_experts(topo: "Topology", cfg: K3Config) -> list[str]:
+def unsplit_layer_experts(topo: Ring, cfg: K3Config) -> list[str]:
     """A layer only one slot holds runs all its experts there."""
     errs, act, E = [], topo.active, cfg.num_experts
     for l, own in _owners(topo, cfg).items():
@@ -157,7 +172,7 @@ def unsplit_layer_experts(topo: "Topology", cfg: K3Config) -> list[str]:
     return errs
 
 
-def split_layers(topo: "Topology", cfg: K3Config) -> list[str]:
+def split_layers(topo: Ring, cfg: K3Config) -> list[str]:
     """A layer on several slots is a MoE layer split by experts over consecutive slots, each listing its
     experts, the lists disjoint and together covering all experts."""
     act = topo.active
@@ -200,26 +215,28 @@ def _split_layer_problems(cfg: K3Config, l: int, own: list[int], act: list[Slot]
 
 
 # ----------------------------------------------------------------------------- memory (valid layouts only)
-def slot_needs(topo: "Topology", cfg: K3Config, weight_bytes_fn: WeightBytesFn | None = None) -> dict[str, int]:
-    """active slot id -> bytes it needs: `weight_bytes_fn(slot)` when given, else the estimate."""
+def slot_needs(topo: Ring, cfg: K3Config, weight_bytes_fn: WeightBytesFn | None = None) -> dict[str, int]:
+    """active slot id -> bytes it needs: `weight_bytes_fn(slot)` when given, else the estimate (weights in
+    the file's own `[model] formats`)."""
     if weight_bytes_fn is not None:
         return {s.id: weight_bytes_fn(s) for s in topo.active}
-    return {s.id: estimate_slot_bytes(cfg, topo.slot_plan(s, cfg), topo.memory) for s in topo.active}
+    return {s.id: estimate_slot_bytes(cfg, topo.slot_plan(s, cfg), topo.memory, topo.model.formats)
+            for s in topo.active}
 
 
-def memory_fit(topo: "Topology", cfg: K3Config, need: dict[str, int], estimated: bool = True) -> list[str]:
+def memory_fit(topo: Ring, cfg: K3Config, need: dict[str, int], estimated: bool = True) -> list[str]:
     errs = []
     for s in topo.active:
         n = need[s.id]
         if n > (s.gpu_memory_gb or 0) * GiB:
-            w = weight_bytes(cfg, topo.slot_plan(s, cfg)) if estimated else n
+            w = weight_bytes(cfg, topo.slot_plan(s, cfg), topo.model.formats) if estimated else n
             errs.append(f"slot {s.id} needs about {n / GiB:.1f} GiB (weights {w / GiB:.1f} GiB + caches and "
                         f"workspace {(n - w) / GiB:.1f} GiB) but has gpu_memory_gb = {s.gpu_memory_gb:g}: "
                         f"give it fewer layers/experts")
     return errs
 
 
-def standby_capacity(topo: "Topology", need: dict[str, int]) -> list[str]:
+def standby_capacity(topo: Ring, need: dict[str, int]) -> list[str]:
     """Warnings: a standby slot too small to take over any active slot."""
     if not need:
         return []
@@ -243,7 +260,7 @@ PHASES: tuple[tuple[Rule, ...], ...] = (
 )
 
 
-def check(topo: "Topology", cfg: K3Config,
+def check(topo: Ring, cfg: K3Config,
           weight_bytes_fn: WeightBytesFn | None = None) -> tuple[list[str], list[str]]:
     """(errors, warnings) of `topo` against the model config. `weight_bytes_fn(slot) -> bytes` replaces
     the memory estimate."""

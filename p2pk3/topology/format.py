@@ -1,22 +1,18 @@
-"""`Topology`: the parsed topology file (TOML in with tomllib, out with tomli-w), its queries, and the
-entry points to plans (plans.py) and validation (checks.py)."""
+"""The topology file's TOML: text in with tomllib, out with tomli-w, and the tables checked and turned into
+the dataclasses of specs.py (`parse_tables`) and back (`tables`). `Topology` (topology.py) reads and writes
+itself through these; nothing here knows the model."""
 from __future__ import annotations
 
 import difflib
-import os
 import re
-import secrets
 import tomllib
-from dataclasses import dataclass, field, fields
-from pathlib import Path
+from dataclasses import fields
 from typing import Any, Iterable, Mapping
 
 import tomli_w
 
-from p2pk3.model.config import K3Config, preset as _preset
+from p2pk3.quant.formats import FormatError, parse_formats
 
-from . import checks
-from .plans import SlotPlan, slot_plan
 from .ranges import parse_ranges
 from .specs import BROADCAST, DEFAULT_BEACON_PORT, ClusterSpec, MemorySpec, ModelSpec, Slot, TopologyError
 
@@ -28,156 +24,54 @@ _SLOT_KEYS = {f.name for f in fields(Slot)}
 _TOP_KEYS = {"cluster", "model", "memory", "slots"}
 
 
-@dataclass
-class Topology:
-    cluster: ClusterSpec
-    model: ModelSpec
-    slots: list[Slot]
-    memory: MemorySpec = field(default_factory=MemorySpec)
-    source: str | None = None  # the file it was loaded from: relative paths in it are relative to its folder
-
-    # ---------------------------------------------------------------- I/O
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> "Topology":
-        p = Path(path)
-        try:
-            text = p.read_text()
-        except FileNotFoundError:
-            raise TopologyError(f"no such topology file: {p}") from None
-        return cls.loads(text, source=str(p))
-
-    @classmethod
-    def loads(cls, text: str, source: str | None = None) -> "Topology":
-        try:
-            d = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as e:
-            raise TopologyError(f"not valid TOML: {e}", source) from None
-        return cls.from_dict(d, source=source)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any], source: str | None = None) -> "Topology":
-        """Parse (structure and types; `validate(cfg)` checks the model-dependent rules)."""
-        errs: list[str] = _unknown(d.keys(), _TOP_KEYS, "the topology")
-        cluster = _parse_cluster(d, errs)
-        model = _parse_model(d, errs)
-        memory = _parse_memory(d, errs)
-        raw_slots = d.get("slots")
-        if not isinstance(raw_slots, list) or not raw_slots:
-            errs.append("no [[slots]]: the ring needs at least one slot")
-            raw_slots = []
-        slots = [s for i, rs in enumerate(raw_slots) if (s := _parse_slot(rs, i, errs)) is not None]
-        if errs:
-            raise TopologyError(errs, source)
-        return cls(cluster, model, slots, memory, source)
-
-    def to_dict(self) -> dict[str, Any]:
-        c: dict[str, Any] = {"name": self.cluster.name}
-        if self.cluster.secret_file:
-            c["secret_file"] = self.cluster.secret_file
-        c["beacon_port"] = self.cluster.beacon_port
-        if self.cluster.beacon_addrs != [BROADCAST]:
-            c["beacon_addrs"] = list(self.cluster.beacon_addrs)
-        m = {k: getattr(self.model, k) for k in ("preset", "path", "repo", "revision") if getattr(self.model, k)}
-        if self.model.formats:
-            m["formats"] = dict(self.model.formats)
-        out: dict[str, Any] = {"cluster": c, "model": m}
-        if self.memory != MemorySpec():
-            out["memory"] = {f.name: getattr(self.memory, f.name) for f in fields(MemorySpec)}
-        out["slots"] = [s.to_dict() for s in self.slots]
-        return out
-
-    def dump(self, path: str | os.PathLike | None = None, *, comment: str | None = None) -> str:
-        """The topology as TOML text, after `comment` as "# " lines (written to `path` when given)."""
-        head = "".join(f"# {c}".rstrip() + "\n" for c in comment.splitlines()) + "\n" if comment else ""
-        text = head + tomli_w.dumps(self.to_dict())
-        if path is not None:
-            Path(path).write_text(text)
-        return text
-
-    # ---------------------------------------------------------------- queries
-    @property
-    def active(self) -> list[Slot]:
-        return [s for s in self.slots if not s.standby]
-
-    @property
-    def standby(self) -> list[Slot]:
-        return [s for s in self.slots if s.standby]
-
-    def slot(self, slot_id: str) -> Slot:
-        for s in self.slots:
-            if s.id == slot_id:
-                return s
-        raise KeyError(f"no slot {slot_id!r} in the topology (slots: {', '.join(s.id for s in self.slots)})")
-
-    def owners(self, layer: int) -> list[Slot]:
-        return [s for s in self.active if s.holds(layer)]
-
-    def static_addresses(self) -> dict[str, tuple[str, int]]:
-        """slot id -> (host, port) for slots with a fixed address (the fallback when discovery fails)."""
-        return {s.id: (s.host, s.port) for s in self.slots if s.host and s.port}
-
-    def resolve(self, path: str | os.PathLike) -> Path:
-        """A path written in the topology file: `~` expanded; a relative path is relative to the folder of
-        the topology file (to the working directory for a topology not loaded from a file)."""
-        p = Path(path).expanduser()
-        if not p.is_absolute() and self.source:
-            p = Path(self.source).parent / p
-        return p
-
-    def secret(self) -> bytes:
-        """The cluster secret from secret_file (relative to the topology file); whitespace stripped."""
-        where = Path(self.source).parent if self.source else Path(".")
-        if not self.cluster.secret_file:
-            raise TopologyError(f"[cluster] has no secret_file: add secret_file = \"cluster.key\" and create it with "
-                                f"`p2pk3 secret --out {where / 'cluster.key'}`", self.source)
-        p = self.resolve(self.cluster.secret_file)
-        try:
-            data = p.read_bytes().strip()
-        except FileNotFoundError:
-            raise TopologyError(f"secret file {p} does not exist (create one with `p2pk3 secret --out {p}`)",
-                                self.source) from None
-        except IsADirectoryError:
-            raise TopologyError(f"secret_file {p} is a folder, not a file (point secret_file at the file "
-                                f"`p2pk3 secret --out` wrote)", self.source) from None
-        except PermissionError:
-            raise TopologyError(f"secret file {p} is not readable by this user", self.source) from None
-        if len(data) < 16:
-            raise TopologyError(f"secret file {p} holds {len(data)} bytes; use at least 16 random bytes "
-                                f"(`p2pk3 secret --out {p}` writes 64 hex characters)", self.source)
-        return data
-
-    def model_config(self) -> K3Config:
-        if self.model.preset:
-            return _preset(self.model.preset)
-        if self.model.path:
-            return K3Config.from_pretrained(self.resolve(self.model.path))
-        raise TopologyError("[model] needs preset or path to know the model's shape", self.source)
-
-    # ---------------------------------------------------------------- plans and validation
-    def slot_plan(self, slot: Slot | str, cfg: K3Config) -> SlotPlan:
-        """What `slot` (a Slot of `slots`, or its id) runs, given the current active slots."""
-        s = self.slot(slot) if isinstance(slot, str) else slot
-        return slot_plan(cfg, self.active, s)
-
-    def slot_plans(self, cfg: K3Config) -> list[SlotPlan]:
-        act = self.active
-        return [slot_plan(cfg, act, s) for s in act]
-
-    def check(self, cfg: K3Config, weight_bytes_fn: checks.WeightBytesFn | None = None) -> tuple[list[str], list[str]]:
-        """(errors, warnings) against the model config (the rules: checks.py)."""
-        return checks.check(self, cfg, weight_bytes_fn)
-
-    def validate(self, cfg: K3Config, weight_bytes_fn: checks.WeightBytesFn | None = None) -> list[str]:
-        """Raise TopologyError listing every problem; return the warnings otherwise."""
-        errs, warns = self.check(cfg, weight_bytes_fn)
-        if errs:
-            raise TopologyError(errs, self.source)
-        return warns
+def decode(text: str, source: str | None = None) -> dict[str, Any]:
+    """TOML text -> its tables (TopologyError when it is not TOML)."""
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise TopologyError(f"not valid TOML: {e}", source) from None
 
 
-def generate_secret() -> str:
-    """A new cluster secret (64 hex characters) for a secret_file."""
-    return secrets.token_hex(32)
+def encode(tables: Mapping[str, Any], comment: str | None = None) -> str:
+    """Tables -> TOML text, after `comment` as "# " lines."""
+    head = "".join(f"# {c}".rstrip() + "\n" for c in comment.splitlines()) + "\n" if comment else ""
+    return head + tomli_w.dumps(tables)
+
+
+def parse_tables(d: Mapping[str, Any], source: str | None = None
+                 ) -> tuple[ClusterSpec, ModelSpec, list[Slot], MemorySpec]:
+    """The tables of a topology file -> (cluster, model, slots, memory); TopologyError listing every
+    problem of structure and type (the model-dependent rules are checks.py's)."""
+    errs: list[str] = _unknown(d.keys(), _TOP_KEYS, "the topology")
+    cluster = _parse_cluster(d, errs)
+    model = _parse_model(d, errs)
+    memory = _parse_memory(d, errs)
+    raw_slots = d.get("slots")
+    if not isinstance(raw_slots, list) or not raw_slots:
+        errs.append("no [[slots]]: the ring needs at least one slot")
+        raw_slots = []
+    slots = [s for i, rs in enumerate(raw_slots) if (s := _parse_slot(rs, i, errs)) is not None]
+    if errs:
+        raise TopologyError(errs, source)
+    return cluster, model, slots, memory
+
+
+def tables(cluster: ClusterSpec, model: ModelSpec, slots: list[Slot], memory: MemorySpec) -> dict[str, Any]:
+    """The inverse of `parse_tables` (defaults left out)."""
+    c: dict[str, Any] = {"name": cluster.name}
+    if cluster.secret_file:
+        c["secret_file"] = cluster.secret_file
+    c["beacon_port"] = cluster.beacon_port
+    if cluster.beacon_addrs != [BROADCAST]:
+        c["beacon_addrs"] = list(cluster.beacon_addrs)
+    m = {k: getattr(model, k) for k in ("preset", "path", "repo", "revision") if getattr(model, k)}
+    if model.formats:
+        m["formats"] = dict(model.formats)
+    out: dict[str, Any] = {"cluster": c, "model": m}
+    if memory != MemorySpec():
+        out["memory"] = {f.name: getattr(memory, f.name) for f in fields(MemorySpec)}
+    out["slots"] = [s.to_dict() for s in slots]
+    return out
 
 
 # ----------------------------------------------------------------------------- parsing helpers
@@ -234,7 +128,6 @@ def _parse_model(d: Mapping[str, Any], errs: list[str]) -> ModelSpec:
     errs += _unknown(m.keys(), _MODEL_KEYS, "[model]")
     model = ModelSpec(**{k: _typed(m, k, (str,), "[model]", errs) for k in _MODEL_KEYS - {"formats"}})
     if "formats" in m:
-        from p2pk3.quant.formats import FormatError, parse_formats
         try:
             if not isinstance(m["formats"], dict):
                 raise FormatError(f"formats must be a table like {{ attention = \"mxfp8\" }}, got {m['formats']!r}")
