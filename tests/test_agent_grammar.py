@@ -1,0 +1,203 @@
+"""Structured outputs (p2pk3.agent.grammar, vocab): 200 generations over 10 schemas by an adversarial random
+"model" sampled under the mask all parse and validate (jsonschema is the independent oracle); rollback,
+reset, validate, violations, errors; the vocabulary bytes are the tokenizer's."""
+import builtins
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+pytest.importorskip("llguidance")
+
+from p2pk3.agent.grammar import (  # noqa: E402
+    GrammarEngineMissing,
+    GrammarError,
+    GrammarMatcher,
+    GrammarTokenizer,
+    GrammarViolation,
+    response_format_schema,
+    unpack_bitmask,
+)
+from p2pk3.agent.vocab import token_bytes  # noqa: E402
+from p2pk3.tokenizer import ChatTokenizer  # noqa: E402
+
+MODEL = Path(__file__).resolve().parents[1] / "p2pk3/assets/k3-docs"
+S = {"type": "string", "maxLength": 12}
+
+SCHEMAS = [
+    {"type": "object", "additionalProperties": False, "required": ["name", "role"],
+     "properties": {"name": S, "role": {"enum": ["admin", "user", "guest"]}}},
+    {"type": "object", "additionalProperties": False, "required": ["a"],
+     "properties": {"a": {"type": "object", "additionalProperties": False, "required": ["b", "n"],
+                          "properties": {"n": {"type": "integer"},
+                                         "b": {"type": "object", "additionalProperties": False, "required": ["c"],
+                                               "properties": {"c": {"type": "boolean"}}}}}}},
+    {"type": "object", "additionalProperties": False, "required": ["items"],
+     "properties": {"items": {"type": "array", "minItems": 1, "maxItems": 4, "items": {
+         "type": "object", "additionalProperties": False, "required": ["id", "label"],
+         "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}, "label": S}}}}},
+    {"type": "object", "additionalProperties": False, "required": ["v"],
+     "properties": {"v": {"enum": ["x", 3, None, True]}}},
+    {"type": "object", "additionalProperties": False, "required": ["flag", "nothing", "kind"],
+     "properties": {"flag": {"type": "boolean"}, "nothing": {"type": "null"}, "kind": {"const": "fixed"}}},
+    {"type": "object", "additionalProperties": False, "required": ["year", "month"],
+     "properties": {"year": {"type": "integer", "minimum": 1900, "maximum": 2100},
+                    "month": {"type": "integer", "minimum": 1, "maximum": 12}}},
+    {"type": "object", "additionalProperties": False, "required": ["id"],
+     "properties": {"id": {"type": "integer"}, "note": S, "tags": {"type": "array", "maxItems": 3, "items": S}}},
+    {"type": "array", "minItems": 2, "maxItems": 5, "items": {"enum": ["red", "green", "blue"]}},
+    {"type": "object", "additionalProperties": False, "required": ["value"],
+     "properties": {"value": {"anyOf": [{"type": "integer"}, S, {"type": "array", "maxItems": 2,
+                                                                  "items": {"type": "boolean"}}]}}},
+    {"type": "object", "additionalProperties": False, "required": ["code", "score"],
+     "properties": {"code": {"type": "string", "pattern": "^[a-z]{3}-[0-9]{2}$"},
+                    "score": {"type": "number", "minimum": 0, "maximum": 1}}},
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return ChatTokenizer.from_pretrained(MODEL)
+
+
+@pytest.fixture(scope="module")
+def gtok(tok):
+    return GrammarTokenizer(tok, vocab_size=tok.vocab_size + 64)  # logits wider than the tokenizer, as models pad
+
+
+def rf(schema, strict=True):
+    return {"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": strict}}
+
+
+def generate(m: GrammarMatcher, gen: torch.Generator, boost: list[int], max_tokens: int = 4000) -> list[int]:
+    """The adversarial model: peaked random logits (ids in `boost` pushed up), sampled under the mask until
+    the grammar is done; the stop token the mask then allows is sampled too."""
+    v = m.gtok.vocab_size
+    while True:
+        logits = torch.randn(v, generator=gen) * 4
+        logits[boost] += 12
+        m.apply(logits)
+        t = int(torch.multinomial(torch.softmax(logits, 0), 1, generator=gen))
+        m.advance(t)
+        if t in m.gtok.stop_ids:
+            return m.tokens[:-1]
+        assert len(m.tokens) < max_tokens, "the grammar never finished"
+
+
+def test_200_adversarial_generations_parse_and_validate(tok, gtok):
+    gen = torch.Generator().manual_seed(1234)
+    specials = sorted(tok.special.values())
+    quote_ids = [i for i, b in enumerate(token_bytes(tok)[0]) if b in (b'"', b'}', b']', b'\n', b' ')]
+    results = []
+    for k, schema in enumerate(SCHEMAS):
+        jsonschema.Draft202012Validator.check_schema(schema)
+        m = GrammarMatcher(gtok, rf(schema))
+        for j in range(20):
+            # a third plain random, a third pushing specials and stop ids (end early), a third structure tokens
+            boost = [[], specials, quote_ids][j % 3]
+            m.reset()
+            ids = generate(m, gen, boost)
+            text = tok.decode(ids)
+            value = json.loads(text)  # raises: the test fails with the text
+            jsonschema.validate(value, schema)
+            assert not set(ids) & set(specials), text
+            results.append((k, text))
+    assert len(results) == 200
+    assert len({t for _, t in results}) > 150  # the adversary really explores
+
+
+def test_rollback_replays_to_the_same_state(tok, gtok):
+    gen = torch.Generator().manual_seed(7)
+    m = GrammarMatcher(gtok, rf(SCHEMAS[2]))
+    ids = generate(m, gen, [])
+    m.reset()
+    masks = []
+    for t in ids:
+        masks.append(m.allowed().clone())
+        m.advance(t)
+    for k in (1, 3, len(ids) // 2, len(ids)):
+        m.rollback(k)
+        assert torch.equal(m.allowed(), masks[len(ids) - k]), k
+        for t in ids[len(ids) - k:]:
+            m.advance(t)
+    assert m.done and m.accepting and m.tokens == ids
+    stop = m.gtok.stop_ids[0]
+    m.advance(stop)  # after the finished grammar: not in the engine's history, rollback still exact
+    m.rollback(2)
+    assert torch.equal(m.allowed(), masks[-1])
+    with pytest.raises(ValueError, match="cannot roll back"):
+        m.rollback(len(ids) + 5)
+
+
+def test_validate_counts_an_allowed_draft_prefix(tok, gtok):
+    m = GrammarMatcher(gtok, rf(SCHEMAS[0]))
+    good = tok.encode('{"name": "ab", "role": "user"}')
+    bad = tok.encode('{"name": "ab", "rol": 1}')
+    assert m.validate(good) == len(good)
+    n = m.validate(bad)
+    assert 0 < n < len(bad) and bad[:n] == tok.encode('{"name": "ab", "rol')[:n]
+    assert m.tokens == []  # validate does not advance
+
+
+def test_mask_forbids_and_violation_is_refused(tok, gtok):
+    m = GrammarMatcher(gtok, {"type": "json_object"})
+    allowed = m.allowed()
+    assert allowed.shape == (gtok.vocab_size,) and allowed.dtype == torch.bool
+    assert not allowed[tok.vocab_size:].any()  # padded ids
+    assert not allowed[list(tok.special.values())].any()  # no special token at the start
+    first = [i for i, b in enumerate(token_bytes(tok)[0]) if allowed[i]]
+    assert all(token_bytes(tok)[0][i].lstrip(b" \n\r\t")[:1] in (b"{", b"") for i in first)
+    x = tok.encode("x")[0]
+    with pytest.raises(GrammarViolation, match=f"token {x} is not allowed"):
+        m.advance(x)
+    assert m.tokens == []
+    logits = torch.zeros(2 * gtok.vocab_size).view(1, -1)[:, : gtok.vocab_size + 10]  # wider than the grammar
+    m.apply(logits)
+    assert torch.equal(torch.isfinite(logits[0, : gtok.vocab_size]), allowed)
+    assert not torch.isfinite(logits[0, gtok.vocab_size:]).any()
+    for t in tok.encode('{"k": [1, {"z": null}]}'):
+        m.advance(t)
+    assert m.done and set(m.allowed().nonzero().flatten().tolist()) == set(gtok.stop_ids)
+
+
+def test_unpack_bitmask_bit_order():
+    bm = torch.tensor([[0b101, -(2**31)]], dtype=torch.int32)  # ids 0, 2 and 63
+    assert unpack_bitmask(bm, 64)[0].nonzero().flatten().tolist() == [0, 2, 63]
+
+
+def test_response_format_errors(gtok):
+    assert response_format_schema(None) == (None, False)
+    assert response_format_schema({"type": "text"}) == (None, False)
+    assert response_format_schema({"type": "json_object"}) == ({"type": "object"}, False)
+    for bad, msg in [({"type": "xml"}, "must be"), ({"type": "json_schema"}, "json_schema"),
+                     ({"type": "json_schema", "json_schema": {"schema": 3}}, "JSON schema object"), ("x", "object")]:
+        with pytest.raises(GrammarError, match=msg):
+            response_format_schema(bad)
+    with pytest.raises(GrammarError, match="cannot be enforced|schema"):
+        GrammarMatcher(gtok, rf({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}, "required": ["a"]}))
+    with pytest.raises(GrammarError, match="text"):
+        GrammarMatcher(gtok, {"type": "text"})
+
+
+def test_missing_engine_names_the_install(monkeypatch, tok):
+    real = builtins.__import__
+
+    def fake(name, *a, **k):
+        if name == "llguidance":
+            raise ImportError("No module named 'llguidance'")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", fake)
+    with pytest.raises(GrammarEngineMissing, match="pip install llguidance"):
+        GrammarTokenizer(tok)
+
+
+def test_token_bytes_are_the_tokenizers(tok):
+    tb, special = token_bytes(tok)
+    assert len(tb) == tok.vocab_size and special == set(tok.special.values())
+    text = 'Grüße, {"json": [1, 2.5e3, "ünï ☃"]}\n\tend'
+    ids = tok.encode(text)
+    assert b"".join(tb[i] for i in ids).decode() == text
+    assert tb[tok.special["<|im_end|>"]] == b"<|im_end|>"
