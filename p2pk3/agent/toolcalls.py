@@ -183,7 +183,7 @@ class _Machine:
             elif st == "arguments":
                 self.args += s
                 if self.call is not None:
-                    out.append(("arguments", s))
+                    out.append(("arguments", (self.call["index"], s)))
             return  # text between calls in a section, or in a skipped call, is dropped
         if s == f.section_begin and st == "content":
             self.state = "section"
@@ -262,8 +262,8 @@ class ToolCallStream:
                 fn = {"name": v["function"]["name"], "arguments": ""}
                 deltas.append({"tool_calls": [{"index": v["index"], "id": v["id"], "type": "function",
                                                "function": fn}]})
-            elif kind == "arguments" and v:
-                idx = self._m.call["index"]
+            elif kind == "arguments" and v[1]:
+                idx, v = v
                 last = deltas[-1]["tool_calls"][0] if deltas and "tool_calls" in deltas[-1] else None
                 if last is not None and last["index"] == idx and "id" not in last:
                     last["function"]["arguments"] += v
