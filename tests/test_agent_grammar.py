@@ -9,9 +9,7 @@ import jsonschema
 import pytest
 import torch
 
-pytest.importorskip("llguidance")
-
-from p2pk3.agent.grammar import (  # noqa: E402
+from p2pk3.agent.grammar import (
     GrammarEngineMissing,
     GrammarError,
     GrammarMatcher,
@@ -20,8 +18,8 @@ from p2pk3.agent.grammar import (  # noqa: E402
     response_format_schema,
     unpack_bitmask,
 )
-from p2pk3.agent.vocab import token_bytes  # noqa: E402
-from p2pk3.tokenizer import ChatTokenizer  # noqa: E402
+from p2pk3.agent.vocab import token_bytes
+from p2pk3.tokenizer import ChatTokenizer
 
 MODEL = Path(__file__).resolve().parents[1] / "p2pk3/assets/k3-docs"
 S = {"type": "string", "maxLength": 12}
@@ -201,3 +199,34 @@ def test_token_bytes_are_the_tokenizers(tok):
     ids = tok.encode(text)
     assert b"".join(tb[i] for i in ids).decode() == text
     assert tb[tok.special["<|im_end|>"]] == b"<|im_end|>"
+
+
+def test_token_bytes_tiktoken_and_sentencepiece(tmp_path):
+    import base64
+
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import decoders, models
+
+    from p2pk3.tokenizer import load_tokenizer
+
+    tt = tmp_path / "tt"
+    tt.mkdir()
+    ranks = {bytes([b]): b for b in range(256)}
+    for m in (b"th", b"the", "ü".encode()[:1] + b"x"):
+        ranks[m] = len(ranks)
+    (tt / "tiktoken.model").write_text("".join(f"{base64.b64encode(b).decode()} {r}\n" for b, r in ranks.items()))
+    (tt / "tokenizer_config.json").write_text(json.dumps({"eos_token": "[EOS]", "added_tokens_decoder": {
+        str(len(ranks)): {"content": "[EOS]", "special": True}}}))
+    t = load_tokenizer(tt)
+    tb, special = token_bytes(t)
+    assert tb[: len(ranks)] == list(ranks) and tb[len(ranks)] == b"[EOS]" and special == {len(ranks)}
+    sp = tmp_path / "sp"
+    sp.mkdir()
+    vocab = {"<unk>": 0, "▁Hello": 1, "!": 2}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    tk = HFTok(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tk.save(str(sp / "tokenizer.json"))
+    tb, _ = token_bytes(load_tokenizer(sp))
+    assert tb[1] == b" Hello" and tb[2] == b"!" and tb[3 + 0xE4] == b"\xe4"

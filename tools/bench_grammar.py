@@ -3,6 +3,8 @@
     PYTHONPATH=. python tools/bench_grammar.py                  # embedded 4,096-id vocab + a 160k BPE vocab
     PYTHONPATH=. python tools/bench_grammar.py --tokens 300 --vocab160 /tmp/v160.json
 
+Needs both engines: `pip install xgrammar llguidance` (only llguidance is a p2pk3 dependency).
+
 For each vocabulary and each case (json_object and three json_schema cases) it compiles the grammar in both
 engines (timed), then walks one trajectory of up to --tokens tokens: at each step both engines compute
 their next-token bitmask (each timed), the step's token is sampled from seeded random logits under the AND
@@ -196,8 +198,11 @@ def main() -> None:
     os.environ.setdefault("RAYON_NUM_THREADS", "1")
     import importlib.metadata as md
 
-    import llguidance  # noqa: F401  (imported before the timed set-up)
-    import xgrammar  # noqa: F401
+    try:  # imported before the timed set-up
+        import llguidance  # noqa: F401
+        import xgrammar  # noqa: F401
+    except ImportError as e:
+        sys.exit(f"bench_grammar needs both engines: pip install xgrammar llguidance ({e})")
 
     print("xgrammar", md.version("xgrammar"), "| llguidance", md.version("llguidance"), "| torch", torch.__version__)
     embedded = load_tokenizer(ROOT / "p2pk3/assets/k3-docs")
