@@ -48,33 +48,32 @@ def _decoder_kinds(decoder: dict | None) -> set[str]:
 
 
 def _hf_token_bytes(tok) -> list[bytes | None]:
-    """Bytes of the ordinary tokens of a `tokenizers.Tokenizer` (None where an id has no token)."""
+    """Bytes of the tokens of a `tokenizers.Tokenizer` (None where an id has no token). Added tokens are
+    their text; model tokens are decoded from the vocabulary's alphabet."""
     import json
 
     spec = json.loads(tok.to_str())
     kinds = _decoder_kinds(spec.get("decoder"))
     n = tok.get_vocab_size(with_added_tokens=True)
     out: list[bytes | None] = [None] * n
+    vocab = tok.get_vocab(with_added_tokens=False)
     if "ByteLevel" in kinds:
-        table = _gpt2_unicode_to_bytes()
-        for i in range(n):
-            s = tok.id_to_token(i)
-            if s is not None:
-                try:
-                    out[i] = bytes(table[c] for c in s)
-                except KeyError:  # an added (non-byte-level) token: its text as it is
-                    out[i] = s.encode()
-        return out
-    if kinds & {"Metaspace", "Replace", "ByteFallback"} or spec.get("model", {}).get("byte_fallback"):
-        for i in range(n):
-            s = tok.id_to_token(i)
-            if s is None:
-                continue
+        table = {ord(c): chr(b) for c, b in _gpt2_unicode_to_bytes().items()}
+        for s, i in vocab.items():
+            try:
+                out[i] = s.translate(table).encode("latin-1")
+            except UnicodeEncodeError:
+                raise VocabError(f"token {i} {s!r} is not in the byte-level alphabet") from None
+    elif kinds & {"Metaspace", "Replace", "ByteFallback"} or spec.get("model", {}).get("byte_fallback"):
+        for s, i in vocab.items():
             m = _BYTE_FALLBACK.fullmatch(s)
             out[i] = bytes([int(m.group(1), 16)]) if m else s.replace("\u2581", " ").encode()
-        return out
-    raise VocabError(f"tokenizer.json decoder {sorted(kinds) or 'none'}: only byte-level BPE (ByteLevel) and "
-                     "SentencePiece-style (Metaspace / ByteFallback) vocabularies can be turned into bytes")
+    else:
+        raise VocabError(f"tokenizer.json decoder {sorted(kinds) or 'none'}: only byte-level BPE (ByteLevel) and "
+                         "SentencePiece-style (Metaspace / ByteFallback) vocabularies can be turned into bytes")
+    for i, t in tok.get_added_tokens_decoder().items():
+        out[i] = t.content.encode()
+    return out
 
 
 def token_bytes(tokenizer) -> tuple[list[bytes], set[int]]:
