@@ -230,3 +230,10 @@ def test_token_bytes_tiktoken_and_sentencepiece(tmp_path):
     tk.save(str(sp / "tokenizer.json"))
     tb, _ = token_bytes(load_tokenizer(sp))
     assert tb[1] == b" Hello" and tb[2] == b"!" and tb[3 + 0xE4] == b"\xe4"
+
+
+def test_strict_refuses_what_cannot_be_enforced(gtok):
+    schema = {"type": "array", "uniqueItems": True, "items": {"type": "integer"}}
+    with pytest.raises(GrammarError, match="Unimplemented keys.*uniqueItems"):
+        GrammarMatcher(gtok, rf(schema, strict=True))
+    GrammarMatcher(gtok, rf(schema, strict=False))  # without strict the keyword is ignored, the rest enforced
