@@ -1,6 +1,7 @@
 """Structured outputs (p2pk3.agent.grammar, vocab): 200 generations over 10 schemas by an adversarial random
 "model" sampled under the mask all parse and validate (jsonschema is the independent oracle); rollback,
-reset, validate, violations, errors; the vocabulary bytes are the tokenizer's."""
+reset, validate, violations, errors; the vocabulary bytes are the tokenizer's; tool_choice required / named
+(toolgrammar) gives calls that parse and whose arguments validate against their tool's parameters."""
 import builtins
 import json
 from pathlib import Path
@@ -237,3 +238,64 @@ def test_strict_refuses_what_cannot_be_enforced(gtok):
     with pytest.raises(GrammarError, match="Unimplemented keys.*uniqueItems"):
         GrammarMatcher(gtok, rf(schema, strict=True))
     GrammarMatcher(gtok, rf(schema, strict=False))  # without strict the keyword is ignored, the rest enforced
+
+
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+           "properties": {"city": S, "unit": {"enum": ["celsius", "fahrenheit"]}}}
+SEARCH = {"type": "object", "additionalProperties": False, "required": ["q"],
+          "properties": {"q": S, "n": {"type": "integer", "minimum": 1, "maximum": 10}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "search", "parameters": SEARCH}}]
+
+
+@pytest.mark.parametrize("choice,parallel", [("required", True), ("required", False),
+                                             ({"type": "function", "function": {"name": "search"}}, True)])
+def test_forced_tool_calls_parse_into_valid_calls(tok, gtok, choice, parallel):
+    from p2pk3.agent.toolcalls import ToolCallFormat, parse_tool_calls
+    from p2pk3.agent.toolgrammar import tool_call_grammar
+
+    # the embedded tokenizer has no tool tokens: reserved slots stand in (call, argument, end, section)
+    fmt = ToolCallFormat(*[f"<|reserved_token_{i}|>" for i in (7, 8, 9, 5, 6)])
+    lark = tool_call_grammar(fmt, TOOLS, choice, gtok.special, parallel_tool_calls=parallel)
+    m = GrammarMatcher(gtok, lark=lark, what="tool_choice")
+    gen = torch.Generator().manual_seed(5)
+    specials = sorted(tok.special.values())
+    schemas = {"get_weather": WEATHER, "search": SEARCH}
+    names, counts = set(), set()
+    for j in range(12):
+        m.reset()
+        ids = generate(m, gen, specials if j % 2 else [])
+        p = parse_tool_calls(tok.decode(ids), fmt, tools=TOOLS)
+        assert p.errors == [] and p.content == "" and p.tool_calls, tok.decode(ids)
+        for c in p.tool_calls:
+            jsonschema.validate(json.loads(c["function"]["arguments"]), schemas[c["function"]["name"]])
+            names.add(c["function"]["name"])
+        counts.add(len(p.tool_calls))
+    assert names == ({"search"} if isinstance(choice, dict) else {"get_weather", "search"})
+    if parallel:
+        assert max(counts) > 1
+    else:
+        assert counts == {1}
+
+
+def test_tool_choice_errors(tok, gtok):
+    from p2pk3.agent.toolcalls import NoToolFormat, ToolCallFormat
+    from p2pk3.agent.toolgrammar import tool_call_grammar
+
+    fmt = ToolCallFormat("<|reserved_token_7|>", "<|reserved_token_8|>", "<|reserved_token_9|>")
+    assert tool_call_grammar(fmt, TOOLS, "auto", gtok.special) is None
+    assert tool_call_grammar(fmt, TOOLS, None, gtok.special) is None
+    for tools, choice, msg in [(TOOLS, {"type": "function", "function": {"name": "nope"}}, "not among the tools"),
+                               ([], "required", "non-empty tools"), (TOOLS, "always", "tool_choice must be")]:
+        with pytest.raises(GrammarError, match=msg):
+            tool_call_grammar(fmt, tools, choice, gtok.special)
+    with pytest.raises(GrammarError, match="no tool-call tokens"):
+        tool_call_grammar(NoToolFormat("this checkpoint has no tool-call tokens"), TOOLS, "required", gtok.special)
+    # text markers (not special tokens) are literals; without section markers the calls stand alone
+    lark = tool_call_grammar(ToolCallFormat("<call>", "<args>", "</call>"), TOOLS[1:], "required", gtok.special)
+    assert '"<call>"' in lark and "<[" not in lark
+    m = GrammarMatcher(gtok, lark=lark)
+    ids = tok.encode('<call>functions.search:0<args>{"q": "a"}</call>')
+    assert m.validate(ids) == len(ids)
+    ids_bad = tok.encode('<call>functions.get_weather:0<args>')
+    assert m.validate(ids_bad) < len(ids_bad)

@@ -36,7 +36,7 @@ import torch
 from .vocab import token_bytes
 
 __all__ = ["GrammarTokenizer", "GrammarMatcher", "GrammarError", "GrammarViolation", "GrammarEngineMissing",
-           "response_format_schema", "unpack_bitmask", "MAX_WHITESPACE"]
+           "response_format_schema", "unpack_bitmask", "json_options", "MAX_WHITESPACE"]
 
 MAX_WHITESPACE = 32
 ENGINE_INSTALL = "pip install llguidance"
@@ -86,6 +86,11 @@ def response_format_schema(response_format: Mapping | None) -> tuple[dict | None
     raise GrammarError(f'response_format type must be "text", "json_object" or "json_schema", got {kind!r}')
 
 
+def json_options(strict: bool) -> dict:
+    """llguidance's JSON compile options: bounded whitespace; strict refuses unimplemented keywords."""
+    return {"whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{0,{MAX_WHITESPACE}}}", "lenient": not strict}
+
+
 def unpack_bitmask(bitmask: torch.Tensor, n: int) -> torch.Tensor:
     """int32 bitmask (..., ceil(n/32)) (bit j of word w = id 32w+j allowed) -> bool (..., n)."""
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
@@ -128,6 +133,7 @@ class GrammarTokenizer:
         if not stop:
             raise GrammarError("the tokenizer has no stop id: pass stop_ids= (the ids that end a response)")
         self.vocab_size, self.stop_ids = n, tuple(stop)
+        self.special: dict[str, int] = dict(getattr(tokenizer, "special", {}))  # text -> id
         self.ll_tokenizer = ll.LLTokenizer(_Wrapper(tokenizer, tokens, special, stop[0]), n_vocab=n,
                                            eos_token=stop)
         self.words = (n + 31) // 32
@@ -136,21 +142,27 @@ class GrammarTokenizer:
 class GrammarMatcher:
     """The grammar state of one request: next-token mask, advance, rollback, reset (module doc)."""
 
-    def __init__(self, gtok: GrammarTokenizer, response_format: Mapping):
+    def __init__(self, gtok: GrammarTokenizer, response_format: Mapping | None = None, *, lark: str | None = None,
+                 what: str = "response_format"):
+        """One of: response_format (OpenAI's object), or lark (an llguidance Lark grammar, e.g. from
+        `toolgrammar.tool_call_grammar`); `what` names the grammar in errors."""
         ll = _engine()
-        schema, strict = response_format_schema(response_format)
-        if schema is None:
-            raise GrammarError("response_format of type text needs no grammar (build no matcher)")
-        options = {"whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{0,{MAX_WHITESPACE}}}", "lenient": not strict}
-        try:
-            grammar = ll.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=options)
-        except ValueError as e:
-            raise GrammarError(f"response_format schema: {e}") from e
+        self.schema, self.strict = None, True
+        if lark is None:
+            self.schema, self.strict = response_format_schema(response_format)
+            if self.schema is None:
+                raise GrammarError("response_format of type text needs no grammar (build no matcher)")
+            try:
+                grammar = ll.LLMatcher.grammar_from_json_schema(json.dumps(self.schema),
+                                                                overrides=json_options(self.strict))
+            except ValueError as e:
+                raise GrammarError(f"{what} schema: {e}") from e
+        else:
+            grammar = ll.LLMatcher.grammar_from_lark(lark)
         is_error, messages = ll.LLMatcher.validate_grammar_with_warnings(grammar, gtok.ll_tokenizer)
         if is_error:
-            raise GrammarError(f"response_format schema cannot be enforced: {'; '.join(messages)}")
+            raise GrammarError(f"{what} cannot be enforced: {'; '.join(messages)}")
         self.gtok = gtok
-        self.schema, self.strict = schema, strict
         self._m = ll.LLMatcher(gtok.ll_tokenizer, grammar, log_level=0)
         self._check()
         self._bitmask = torch.zeros((1, gtok.words), dtype=torch.int32)
