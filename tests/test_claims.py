@@ -9,7 +9,7 @@ import pytest
 from p2pk3.node.claims import (
     ClaimRefused, ClaimTable, claim_frame, connection_asker, handle_claim, negotiate_claim,
 )
-from p2pk3.transport.connection import serve
+from p2pk3.transport.server import serve
 from conftest import run as _run  # the one deadline-guarded runner
 
 SECRET = b"claims-secret-0123456789abcdef!!"

@@ -10,8 +10,10 @@ import pytest
 
 from p2pk3.transport import codec as F
 from p2pk3.transport.connection import (
-    AuthenticationError, ConnectionClosed, Faults, HandshakeTimeout, ProtocolError, open_connection, serve,
+    AuthenticationError, ConnectionClosed, HandshakeTimeout, ProtocolError, open_connection,
 )
+from p2pk3.transport.faults import Faults
+from p2pk3.transport.server import serve
 from p2pk3.transport.codec import Frame
 from p2pk3.transport.decoder import FrameDecoder
 from conftest import run as _run  # the one deadline-guarded runner

@@ -315,7 +315,7 @@ def test_class_of_covers_every_checkpoint_matrix():
 def _stage(ckpt, formats=None, cache=None):
     from p2pk3.engine.reference import load_stage
     from p2pk3.model.config import K3Config
-    from p2pk3.model.kimi_k3 import StagePlan
+    from p2pk3.model.stage import StagePlan
     cfg = K3Config.from_pretrained(ckpt)
     return load_stage(ckpt, StagePlan.whole(cfg), "float32", "cpu", cfg, formats, cache)
 
@@ -385,7 +385,7 @@ def test_cache_file_is_written_then_reused(ckpt, tmp_path):
 
 def test_tied_lm_head_is_refused():
     from p2pk3.model.config import TINY_K3
-    from p2pk3.model.kimi_k3 import K3Stage, StagePlan
+    from p2pk3.model.stage import K3Stage, StagePlan
     cfg = TINY_K3.replace(tie_word_embeddings=True, num_hidden_layers=1, full_attn_layers=(0,))
     st = K3Stage(cfg, StagePlan.whole(cfg))
     with pytest.raises(FormatError, match="tied"):
@@ -410,7 +410,7 @@ def test_shipped_model_perplexity_with_formats():
     from p2pk3.engine.reference import load_stage
     from p2pk3.model.cache import Span
     from p2pk3.model.config import K3Config
-    from p2pk3.model.kimi_k3 import StagePlan
+    from p2pk3.model.stage import StagePlan
     from p2pk3.tokenizer import load_tokenizer
     cfg = K3Config.from_pretrained(MODEL)
     tok = load_tokenizer(MODEL)

@@ -31,8 +31,8 @@ from p2pk3.transport.connection import (
     AuthenticationError,
     ProtocolError,
     open_connection,
-    serve,
 )
+from p2pk3.transport.server import serve
 
 from conftest import run as _run  # the one deadline-guarded runner
 

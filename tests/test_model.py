@@ -14,7 +14,8 @@ from p2pk3.engine.reference import Pipeline, load_stage, nll
 from p2pk3.engine.sampling import SamplingParams
 from p2pk3.model.cache import CacheFull, SessionError, Span
 from p2pk3.model.config import KIMI_K3, TINY_K3, TINY_KIMI_LINEAR, ConfigError, ConfigWarning, K3Config
-from p2pk3.model.kimi_k3 import ExpertNotHeld, GatedMLA, RMSNorm, Router, StagePlan, build_stage
+from p2pk3.model.kimi_k3 import ExpertNotHeld, GatedMLA, RMSNorm, Router
+from p2pk3.model.stage import StagePlan, build_stage
 from p2pk3_kernels import attnres_ref, kda_ref, mxfp4_moe_ref
 from p2pk3.checkpoint.loader import load_stage_weights
 from p2pk3.checkpoint.tiny import write_checkpoint
@@ -450,7 +451,7 @@ def test_mxfp8_activation_fake_quant_is_off_by_default_and_close_when_on(whole):
 
 
 def _batch_for(stage, n):
-    from p2pk3.model.kimi_k3 import Batch
+    from p2pk3.model.batch import Batch
     cache = stage.new_cache(2, 64, block_size=8)
     cache.open("h")
     spans = [Span("h", 0, n)]

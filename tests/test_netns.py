@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(netns_unavailable_reason() is not None,
 
 SERVER = textwrap.dedent("""
     import asyncio, sys
-    from p2pk3.transport.connection import serve
+    from p2pk3.transport.server import serve
     async def main():
         async def echo(conn):
             async for f in conn:

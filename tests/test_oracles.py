@@ -29,7 +29,8 @@ from p2pk3_kernels import mla_decode_ref, ops
 import p2pk3.model.cache as cache_mod
 from p2pk3.checkpoint.tiny import random_state_dict
 from p2pk3.model.config import TINY_K3, TINY_KIMI_LINEAR
-from p2pk3.model.kimi_k3 import GatedMLA, Hop, StagePlan, build_stage
+from p2pk3.model.kimi_k3 import GatedMLA, Hop
+from p2pk3.model.stage import StagePlan, build_stage
 
 # cache.Segment is being renamed to Span: accept either
 Span = getattr(cache_mod, "Span", None) or cache_mod.Segment

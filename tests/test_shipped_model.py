@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from p2pk3.checkpoint.loader import load_stage_weights  # noqa: E402
 from p2pk3.model.cache import Span  # noqa: E402
 from p2pk3.model.config import K3Config  # noqa: E402
-from p2pk3.model.kimi_k3 import StagePlan, build_stage  # noqa: E402
+from p2pk3.model.stage import StagePlan, build_stage  # noqa: E402
 from p2pk3.tokenizer import load_tokenizer  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parents[1] / "p2pk3" / "assets"

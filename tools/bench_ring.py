@@ -32,7 +32,8 @@ def _uvloop_run(coro):
 
 # ------------------------------------------------------------------------------------------- latency
 async def _latency(nbytes: int, rounds: int) -> tuple[float, float]:
-    from p2pk3.transport.connection import open_connection, serve
+    from p2pk3.transport.connection import open_connection
+    from p2pk3.transport.server import serve
     from p2pk3.transport.messages import Segment, forward_frame
 
     secret = os.urandom(32)
@@ -92,7 +93,8 @@ async def _maybe(x):
 
 # ---------------------------------------------------------------------------------------- throughput
 async def _throughput(nbytes: int, reps: int) -> tuple[float, float]:
-    from p2pk3.transport.connection import open_connection, serve
+    from p2pk3.transport.connection import open_connection
+    from p2pk3.transport.server import serve
     from p2pk3.transport.codec import Frame
 
     secret = os.urandom(32)

@@ -43,7 +43,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from p2pk3.model.config import K3Config  # noqa: E402
-from p2pk3.model.kimi_k3 import K3Stage, StagePlan  # noqa: E402
+from p2pk3.model.stage import K3Stage, StagePlan  # noqa: E402
 from p2pk3_kernels import kda_ref  # noqa: E402
 from tools import doc_corpus  # noqa: E402
 from tools.train_tiny import (RouterTap, canonical_state_dict, export, forward_batch, imbalance,  # noqa: E402

@@ -52,8 +52,8 @@ if __package__ in (None, ""):
 
 from p2pk3.model.cache import Span  # noqa: E402
 from p2pk3.model.config import TINY_K3, K3Config, _k3_full_attn  # noqa: E402
-from p2pk3.model.kimi_k3 import (K3Stage, KimiDeltaAttention, LatentMoE, StagePlan, build_stage,  # noqa: E402
-                                  module_to_checkpoint)
+from p2pk3.model.kimi_k3 import KimiDeltaAttention, LatentMoE, module_to_checkpoint  # noqa: E402
+from p2pk3.model.stage import K3Stage, StagePlan, build_stage  # noqa: E402
 
 HELDOUT_PCT = 10  # sha256(name) % 100 < 10 -> held out (7 topics, ~5% of the text on CPython 3.11)
 VAL_PCT = 8  # of the rest, sha256("val/" + name) % 100 < 8 -> validation

@@ -12,7 +12,7 @@ from p2pk3.checkpoint.loader import load_stage_weights
 from p2pk3.model.cache import Span
 from p2pk3.model.config import K3Config
 from p2pk3.model.dtypes import torch_dtype
-from p2pk3.model.kimi_k3 import K3Stage, StagePlan, build_stage
+from p2pk3.model.stage import K3Stage, StagePlan, build_stage
 
 from .sampling import SamplingParams, fresh_seed, sample_at
 

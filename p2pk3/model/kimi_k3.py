@@ -2,8 +2,8 @@
 model reads top to bottom in one place, in spec order); module and parameter names mirror the
 checkpoint (`model.layers.N.self_attn.q_proj.weight`, ...), except each Attention-Residual pair, which is
 one `AttnResMix` module (`...mlp_res.norm.weight` for the stored `...mlp_res_norm.weight`; the names are
-mapped once, in `K3Stage.load_weights`). Math and sources: shared/spec
-kimi-k3-architecture.md (section numbers in the comments).
+mapped once, by `checkpoint_to_module`, which `p2pk3.model.stage.K3Stage.load_weights` applies). Math and
+sources: shared/spec kimi-k3-architecture.md (section numbers in the comments).
 
 Uncertain facts (the official modeling file could not be read; spec section 10) — each is pinned by
 tests/test_model.py::test_uncertain_facts_are_pinned so that changing one is a deliberate act:
@@ -14,16 +14,18 @@ tests/test_model.py::test_uncertain_facts_are_pinned so that changing one is a d
   * the latent-MoE sum is cast to the activation dtype before routed_expert_norm (our reading);
   * SiTU follows the remote code / MLX port, not HF-native transformers' docstring ([V], spec 5.3).
 
-The model is always run as a *stage*: a contiguous run of layers (possibly the whole model, possibly
-half a layer at each end) over a packed batch of token spans from many sessions. What flows between
-stages is a `Hop`: the running prefix sum, the AttnRes snapshot bank and, inside a layer whose experts
-are split over several stages, the partial latent-MoE sum (spec 4.3).
+The layers run over a packed batch of token spans from many sessions (`p2pk3.model.batch.Batch`). A
+`DecoderLayer` runs whole or as one of its halves (attention, MLP), so that a contiguous run of layers,
+possibly half a layer at each end, is a *stage* (`p2pk3.model.stage`: the plan, the embedding and head,
+caches, weight loading). What flows between stages is a `Hop`: the running prefix sum, the AttnRes
+snapshot bank and, inside a layer whose experts are split over several stages, the partial latent-MoE
+sum (spec 4.3).
 """
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -31,9 +33,9 @@ import torch.nn.functional as F
 
 from p2pk3_kernels import ops
 
-from .cache import KdaCheckpoint, Span, StageCache
+from .batch import Batch
+from .cache import KdaCheckpoint, StageCache
 from .config import K3Config
-from .split import even_layer_ranges
 
 
 class ExpertNotHeld(RuntimeError):
@@ -77,61 +79,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(glu(self.gate_proj(x), self.up_proj(x), self.cfg))
-
-
-@dataclass
-class Batch:
-    """Everything the layers need to know about a packed batch of spans."""
-
-    spans: list[Span]
-    cache: StageCache
-    device: torch.device
-    cu_seqlens: list[int] = field(init=False)
-    decode: bool = field(init=False)  # every span is exactly one token
-
-    def __post_init__(self) -> None:
-        cu = [0]
-        for s in self.spans:
-            cu.append(cu[-1] + s.length)
-        self.cu_seqlens = cu
-        self.decode = all(s.length == 1 for s in self.spans)
-        self._memo: dict[str, torch.Tensor] = {}
-
-    def memo(self, key: str, fn) -> torch.Tensor:
-        if key not in self._memo:
-            self._memo[key] = fn()
-        return self._memo[key]
-
-    @property
-    def rows(self) -> torch.Tensor:
-        """[len(spans)] long: each span's session row in the KDA state pools."""
-        return self.memo("rows", lambda: self.cache.rows(self.spans, self.device))
-
-    @property
-    def parts(self) -> tuple[list[int], list[int]] | None:
-        """For a batch that mixes one-token spans (decode steps) with longer ones (prefill chunks, verify
-        spans): (indices of the one-token spans, indices of the others), so that each group takes its own
-        fast path; None when the batch is all one kind."""
-        if not hasattr(self, "_parts"):
-            one = [i for i, s in enumerate(self.spans) if s.length == 1]
-            self._parts = (one, [i for i in range(len(self.spans)) if self.spans[i].length != 1]) \
-                if one and len(one) < len(self.spans) else None
-        return self._parts
-
-    def sub(self, idx: list[int]) -> "Batch":
-        """The batch of just these spans (their token rows are `token_index(idx)` of this one)."""
-        return Batch([self.spans[i] for i in idx], self.cache, self.device)
-
-    def token_index(self, idx: list[int]) -> torch.Tensor:
-        cu = self.cu_seqlens
-        return torch.tensor([t for i in idx for t in range(cu[i], cu[i + 1])], dtype=torch.long, device=self.device)
-
-    @property
-    def verify(self) -> list[int]:
-        """Indices of the verify spans (speculative decoding), whose layers keep a rollback checkpoint."""
-        if not hasattr(self, "_verify"):
-            self._verify = [i for i, s in enumerate(self.spans) if s.verify]
-        return self._verify
 
 
 # ---------------------------------------------------------------------------------------- KDA (spec 2)
@@ -284,7 +231,7 @@ def check_mla_mode(mode: str) -> str:
 class GatedMLA(nn.Module):
     """Gated MLA with NoPE (spec 3). `mode` picks the attention form per instance: "auto" (absorbed for
     all-decode batches, naive otherwise), "naive" or "absorbed" (tests compare the two; see
-    `K3Stage.set_mla_mode` for a whole stage)."""
+    `p2pk3.model.stage.K3Stage.set_mla_mode` for a whole stage)."""
 
     def __init__(self, cfg: K3Config, layer_idx: int, mode: str = "auto"):
         super().__init__()
@@ -522,7 +469,7 @@ class AttnResMix(nn.Module):
 
     Module paths are `<name>.norm.weight` / `<name>.proj.weight`; the checkpoint stores them as
     `<name>_norm.weight` / `<name>_proj.weight` (`checkpoint_to_module` / `module_to_checkpoint` map the
-    names; `K3Stage.load_weights` takes checkpoint names)."""
+    names; `p2pk3.model.stage.K3Stage.load_weights` takes checkpoint names)."""
 
     def __init__(self, cfg: K3Config):
         super().__init__()
@@ -542,14 +489,23 @@ _MODULE_ATTN_RES = re.compile(rf"\.({_ATTN_RES})\.(norm|proj)\.weight$")
 
 
 def checkpoint_to_module(name: str) -> str:
-    """Checkpoint tensor name (p2pk3.model.weights) -> parameter path in K3Stage; the identity except for
-    AttnRes: `model.layers.3.mlp_res_norm.weight` -> `model.layers.3.mlp_res.norm.weight`."""
+    """Checkpoint tensor name (p2pk3.model.weights) -> parameter path in a `p2pk3.model.stage.K3Stage`; the
+    identity except for AttnRes: `model.layers.3.mlp_res_norm.weight` -> `model.layers.3.mlp_res.norm.weight`."""
     return _CKPT_ATTN_RES.sub(r".\1.\2.weight", name)
 
 
 def module_to_checkpoint(name: str) -> str:
     """Inverse of `checkpoint_to_module` (export a trained stage under the published names)."""
     return _MODULE_ATTN_RES.sub(r".\1_\2.weight", name)
+
+
+@dataclass
+class Hop:
+    """What travels between stages (spec 4.3), for a packed batch of N tokens."""
+
+    prefix: torch.Tensor  # [N, D] running sum of the current AttnRes block (plain residual without AttnRes)
+    bank: torch.Tensor  # [R, N, D] block snapshots written so far (R = 0 without AttnRes)
+    partial: torch.Tensor | None = None  # [N, W] fp32 latent-MoE sum of a layer split across stages
 
 
 class DecoderLayer(nn.Module):
@@ -572,7 +528,7 @@ class DecoderLayer(nn.Module):
             if cfg.uses_attn_res:
                 self.mlp_res = AttnResMix(cfg)
 
-    def attn_part(self, h: "Hop", batch: Batch) -> None:
+    def attn_part(self, h: Hop, batch: Batch) -> None:
         c = self.cfg
         if not c.uses_attn_res:
             h.prefix = h.prefix + self.self_attn(self.input_layernorm(h.prefix), batch)
@@ -584,7 +540,7 @@ class DecoderLayer(nn.Module):
         a = self.self_attn(self.input_layernorm(x), batch)
         h.prefix = a if fresh else h.prefix + a
 
-    def mlp_part(self, h: "Hop", batch: Batch, finish: bool) -> None:
+    def mlp_part(self, h: Hop, batch: Batch, finish: bool) -> None:
         c = self.cfg
         x = self.mlp_res(h.bank, h.prefix) if c.uses_attn_res else h.prefix
         x = self.post_attention_layernorm(x)
@@ -600,211 +556,3 @@ class DecoderLayer(nn.Module):
             h.partial = None
         else:
             h.partial = u
-
-
-@dataclass
-class Hop:
-    """What travels between stages (spec 4.3), for a packed batch of N tokens."""
-
-    prefix: torch.Tensor  # [N, D] running sum of the current AttnRes block (plain residual without AttnRes)
-    bank: torch.Tensor  # [R, N, D] block snapshots written so far (R = 0 without AttnRes)
-    partial: torch.Tensor | None = None  # [N, W] fp32 latent-MoE sum of a layer split across stages
-
-
-# ----------------------------------------------------------------------------------------------- stage
-@dataclass
-class StagePlan:
-    """Which part of the model one stage runs.
-
-    layers: contiguous layer indices. parts[i]: ("attn",), ("mlp",) or both (default both).
-    experts[i]: routed experts held for MoE layer i (default all); covered[i]: experts held by all the
-    stages that share layer i (default = experts[i]); finish[i]: whether this stage completes layer i's
-    MoE (False when the next stage adds more experts). embed/head: first/last stage duties.
-    """
-
-    layers: list[int]
-    embed: bool = False
-    head: bool = False
-    parts: dict[int, tuple[str, ...]] = field(default_factory=dict)
-    experts: dict[int, list[int]] = field(default_factory=dict)
-    covered: dict[int, list[int]] = field(default_factory=dict)
-    finish: dict[int, bool] = field(default_factory=dict)
-
-    @classmethod
-    def whole(cls, cfg: K3Config) -> "StagePlan":
-        return cls(layers=list(range(cfg.num_hidden_layers)), embed=True, head=True)
-
-    @classmethod
-    def split_even(cls, cfg: K3Config, n: int) -> list["StagePlan"]:
-        """`n` stages of whole layers, cut by `p2pk3.model.split.even_layer_ranges` (the larger ones first)."""
-        ranges = even_layer_ranges(cfg.num_hidden_layers, n)
-        return [cls(layers=list(r), embed=k == 0, head=k == n - 1) for k, r in enumerate(ranges)]
-
-    def parts_of(self, i: int) -> tuple[str, ...]:
-        return self.parts.get(i, ("attn", "mlp"))
-
-
-class K3Stage(nn.Module):
-    """A contiguous piece of the model. `forward` runs one packed batch through it.
-
-    mla_mode: the attention form of every MLA layer of the stage ("auto", "naive" or "absorbed", see
-    GatedMLA); `set_mla_mode` changes it later."""
-
-    def __init__(self, cfg: K3Config, plan: StagePlan, mla_mode: str = "auto"):
-        super().__init__()
-        self.cfg, self.plan = cfg, plan
-        check_mla_mode(mla_mode)
-        self.model = nn.Module()
-        if plan.embed:
-            self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.model.layers = nn.ModuleDict({
-            str(i): DecoderLayer(cfg, i, plan.parts_of(i), plan.experts.get(i), plan.covered.get(i), mla_mode,
-                                 plan.finish.get(i, True))
-            for i in plan.layers
-        })
-        if plan.head:
-            self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            if cfg.uses_attn_res:
-                self.model.output_attn_res = AttnResMix(cfg)
-            if not cfg.tie_word_embeddings:
-                self.lm_head = linear(cfg.hidden_size, cfg.vocab_size)
-
-    # ---------------------------------------------------------------- caches
-    def new_cache(self, max_sessions: int, max_tokens: int, block_size: int = 64, device=None) -> StageCache:
-        c = self.cfg
-        kda = [i for i in self.plan.layers if "attn" in self.plan.parts_of(i) and c.layer_types[i] == "kda"]
-        mla = [i for i in self.plan.layers if "attn" in self.plan.parts_of(i) and c.layer_types[i] == "mla"]
-        return StageCache(kda_layers=kda, mla_layers=mla, kda_heads=c.kda_num_heads, kda_head_dim=c.kda_head_dim,
-                          conv_channels=3 * c.kda_num_heads * c.kda_head_dim, conv_size=c.kda_conv_size,
-                          mla_width=c.mla_cache_width, max_sessions=max_sessions, max_tokens=max_tokens,
-                          block_size=block_size, dtype=self.act_dtype, device=device or self.device)
-
-    act_dtype: torch.dtype = torch.float32  # set by load_weights
-
-    def set_mla_mode(self, mode: str) -> None:
-        """Attention form of every MLA layer of this stage: "auto", "naive" or "absorbed"."""
-        check_mla_mode(mode)
-        for m in self.modules():
-            if isinstance(m, GatedMLA):
-                m.mode = mode
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.parameters()).device
-
-    # ---------------------------------------------------------------- run
-    def forward(self, spans: list[Span], cache: StageCache, *, tokens: torch.Tensor | None = None,
-                hop: Hop | None = None, logits: str = "last") -> Hop | torch.Tensor:
-        """Run a packed batch. First stage: `tokens` [N]; others: `hop`. Last stage returns logits
-        (fp32; "last": one row per span, "all": one per token, "none": the final hidden state),
-        others the Hop for the next stage. The cache is updated only if the whole batch succeeds
-        its admission check (`reserve`). Call under torch.inference_mode() when serving; without it the
-        forward is differentiable (training uses the same path with a throw-away cache)."""
-        cache.reserve(spans)
-        batch = Batch(spans, cache, self.device)
-        if self.plan.embed:
-            x = self.model.embed_tokens(tokens.to(self.device))
-            R0 = 0
-            hop = Hop(prefix=x, bank=x.new_zeros(R0, *x.shape))
-        assert hop is not None, "a stage without the embedding needs the incoming hop"
-        for i in self.plan.layers:
-            layer = self.model.layers[str(i)]
-            parts = self.plan.parts_of(i)
-            if "attn" in parts:
-                layer.attn_part(hop, batch)
-            if "mlp" in parts:
-                layer.mlp_part(hop, batch, self.plan.finish.get(i, True))
-        cache.commit(spans)
-        if not self.plan.head:
-            return hop
-        return self.head(hop, batch.cu_seqlens, logits)
-
-    @torch.inference_mode()
-    def rollback(self, cache: StageCache, session: str, length: int) -> None:
-        """Speculative decoding: take `session` back to `length` tokens, inside its last verify pass (the
-        rejected drafts leave no trace: KDA and short-conv state as if the pass had ended there, MLA rows
-        beyond `length` forgotten). SessionError (nothing changed) when the checkpoint does not cover it."""
-        ck = cache.check_rollback(session, length)
-        row = cache.sessions[session].row
-        for i, kck in ck.kda.items():
-            self.model.layers[str(i)].self_attn.restore(cache, row, kck, length - ck.start)
-        cache.truncate(session, length)
-
-    def head(self, hop: Hop, cu_seqlens: list[int], which: str = "last") -> torch.Tensor:
-        m = self.model
-        h = m.output_attn_res(hop.bank, hop.prefix) if self.cfg.uses_attn_res else hop.prefix
-        if which == "last":
-            h = h[torch.tensor([e - 1 for e in cu_seqlens[1:]], device=h.device)]
-        h = m.norm(h)
-        if which == "none":
-            return h
-        if not self.cfg.tie_word_embeddings and not isinstance(self.lm_head, nn.Linear):
-            return self.lm_head(h).float()  # re-quantized at load (p2pk3.quant.formats.MXLinear)
-        w = m.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
-        return (h @ w.T).float()
-
-    # ---------------------------------------------------------------- weights
-    def expected_tensors(self) -> dict:
-        from .weights import embed_tensors, head_tensors, layer_tensors, mlp_tensors
-        t = embed_tensors(self.cfg) if self.plan.embed else {}
-        for i in self.plan.layers:
-            if "attn" in self.plan.parts_of(i):
-                t.update(layer_tensors(self.cfg, i, (), ("attn",)))
-            if "mlp" in self.plan.parts_of(i):
-                t.update(mlp_tensors(self.cfg, i, self.plan.experts.get(i), finish=self.plan.finish.get(i, True)))
-        if self.plan.head:
-            t.update(head_tensors(self.cfg))
-        return t
-
-    def load_weights(self, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> None:
-        """Load canonical checkpoint names (see weights.py; mapped to module paths here, the one place that
-        does it: `checkpoint_to_module`). Float weights are cast to `dtype`, except the ones K3 keeps in
-        fp32 (conv, A_log, dt_bias, o_norm, correction bias); experts stay packed."""
-        expected = self.expected_tensors()
-        missing = sorted(set(expected) - set(state))
-        if missing:
-            raise KeyError(f"missing tensors for this stage: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-        params = dict(self.named_parameters())
-        moe_maps = {}  # prefix -> (module, checkpoint suffix -> (buffer, local index, kind))
-        for i in self.plan.layers:
-            layer = self.model.layers[str(i)]
-            if hasattr(layer, "block_sparse_moe"):
-                moe = layer.block_sparse_moe
-                moe_maps[f"model.layers.{i}.block_sparse_moe."] = (moe, moe.expert_state_names())
-        for name in expected:
-            t = state[name]
-            path = checkpoint_to_module(name)
-            if path in params:
-                p = params[path]
-                keep32 = expected[name].dtype == torch.float32
-                with torch.no_grad():
-                    if tuple(p.shape) != tuple(t.shape):
-                        raise ValueError(f"{name}: shape {tuple(t.shape)} != expected {tuple(p.shape)}")
-                    p.data = t.to(torch.float32 if keep32 else dtype).to(p.device)  # no copy when it already fits
-                continue
-            for pre, (moe, names) in moe_maps.items():
-                if name.startswith(pre + "experts."):
-                    buf, li, kind = names[name[len(pre):]]
-                    target = getattr(moe, buf)
-                    with torch.no_grad():
-                        target[li].copy_(t if kind != "weight" else t.to(target.dtype))
-                    break
-            else:
-                raise KeyError(f"{name}: no parameter of this stage takes it")
-        self.act_dtype = dtype
-        for moe, _ in moe_maps.values():
-            if moe.cfg.quant is None:
-                for w in ("w1", "w2", "w3"):
-                    setattr(moe, f"{w}_weight", getattr(moe, f"{w}_weight").to(dtype))
-
-
-def build_stage(cfg: K3Config, plan: StagePlan, state: dict[str, torch.Tensor], dtype=torch.float32,
-                device="cpu", mla_mode: str = "auto") -> K3Stage:
-    with torch.device("meta"):
-        stage = K3Stage(cfg, plan, mla_mode)
-    stage = stage.to_empty(device=device)
-    for m in stage.modules():
-        if isinstance(m, LatentMoE):
-            m.init_maps()  # non-persistent buffers come back empty from the meta device
-    stage.load_weights(state, dtype)
-    return stage

@@ -25,9 +25,10 @@ from p2pk3.model.config import K3Config
 from p2pk3.topology import Topology
 from p2pk3.topology.sizing import loaded_weight_bytes
 from p2pk3.transport.codec import Frame, ProtocolError
-from p2pk3.transport.connection import ConnectionClosed, TransportError, open_connection, serve
+from p2pk3.transport.connection import ConnectionClosed, TransportError, open_connection
 from p2pk3.transport.messages import (ErrorCode, Result, error_frame, free_frame, parse_free, parse_result,
                                       pong_frame, result_frame, status_frame)
+from p2pk3.transport.server import serve
 
 from .claiming import claim_slot
 from .claims import ClaimTable, handle_claim

@@ -19,7 +19,8 @@ import torch
 from p2pk3.engine.sampling import sample_at
 from p2pk3.model.cache import SessionError, Span, StageCache
 from p2pk3.model.dtypes import TORCH_DTYPES
-from p2pk3.model.kimi_k3 import Hop, K3Stage, StagePlan
+from p2pk3.model.kimi_k3 import Hop
+from p2pk3.model.stage import K3Stage, StagePlan
 from p2pk3.spec.verify import verify_draft
 from p2pk3.transport.codec import Frame
 from p2pk3.transport.messages import Result, Segment, forward_frame, parse_forward

@@ -1,4 +1,6 @@
-"""Authenticated frame connections over TCP (asyncio; works with the default loop and uvloop).
+"""Authenticated frame connections over TCP (asyncio; works with the default loop and uvloop): the client
+side (`open_connection`) and the connection both sides use. The listening side is p2pk3.transport.server,
+the fault hooks for tests p2pk3.transport.faults.
 (Over 500 lines as one module: the handshake, the zero-copy send path and the buffered receive protocol all
 drive the same Connection state — write readiness, the decoder's limits, close reasons.)
 
@@ -33,15 +35,14 @@ import hashlib
 import hmac
 import logging
 import os
-import random
 import socket
 import sys
 import time
-from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 from .codec import DEFAULT_MAX_PAYLOAD, MAX_HEADER_LEN, Frame, ProtocolError, encode
 from .decoder import FrameDecoder
+from .faults import Faults
 from .messages import error_frame
 
 log = logging.getLogger("p2pk3.transport")
@@ -74,31 +75,6 @@ class HandshakeTimeout(TransportError, TimeoutError):
     pass
 
 
-@dataclass
-class Faults:
-    """Fault injection for tests, applied to frames this side SENDS after the handshake (off by default).
-
-    delay_s        added before every frame is written (plus uniform jitter in [0, jitter_s])
-    close_after    after this many frames the connection is aborted (a crashed peer)
-    drop_after     frames after this many are silently discarded (a black hole; the connection stays up)
-    corrupt_frame  0-based index of the frame in which one byte is XORed with corrupt_xor
-    corrupt_offset offset of that byte in the encoded frame (0..3: magic, 4: version, 18+: header, ...)
-    """
-
-    delay_s: float = 0.0
-    jitter_s: float = 0.0
-    close_after: int | None = None
-    drop_after: int | None = None
-    corrupt_frame: int | None = None
-    corrupt_offset: int = 0
-    corrupt_xor: int = 0xFF
-
-    @property
-    def active(self) -> bool:
-        return bool(self.delay_s or self.jitter_s or self.close_after is not None or self.drop_after is not None
-                    or self.corrupt_frame is not None)
-
-
 def _proof(secret: bytes, role: bytes, client_nonce: bytes, server_nonce: bytes, client_id: str,
            server_id: str, version: int) -> bytes:
     msg = bytearray(_AUTH_LABEL + b"\0" + role + b"\0" + client_nonce + server_nonce)
@@ -109,13 +85,13 @@ def _proof(secret: bytes, role: bytes, client_nonce: bytes, server_nonce: bytes,
     return hmac.new(secret, bytes(msg), hashlib.sha256).digest()
 
 
-def _check_node_id(node_id: str) -> str:
+def check_node_id(node_id: str) -> str:
     if not isinstance(node_id, str) or not 0 < len(node_id) <= 128 or not node_id.isprintable():
         raise ValueError(f"node id must be 1..128 printable characters, got {node_id!r}")
     return node_id
 
 
-def _secret(secret: bytes | str) -> bytes:
+def check_secret(secret: bytes | str) -> bytes:
     s = secret.encode() if isinstance(secret, str) else bytes(secret)
     if not s:
         raise ValueError("the cluster secret is empty")
@@ -163,7 +139,9 @@ def _skip(chunks: list[Any], n: int) -> list[Any]:
     return out
 
 
-class _Protocol(asyncio.BufferedProtocol):
+class ConnectionProtocol(asyncio.BufferedProtocol):
+    """The asyncio side of a `Connection`: socket events straight into it (reads into its decoder's buffer)."""
+
     def __init__(self, conn: "Connection"):
         self.conn = conn
         # the hot callbacks, bound straight to their targets (one Python call less per read)
@@ -188,7 +166,8 @@ class _Protocol(asyncio.BufferedProtocol):
 
 
 class Connection:
-    """One authenticated, framed TCP connection. Create with `open_connection` or receive one from `serve`.
+    """One authenticated, framed TCP connection. Create with `open_connection` or receive one from
+    `p2pk3.transport.server.serve`.
 
     `await send(frame)`, `await recv() -> Frame` (single consumer), `close(reason)`, `async for frame in conn`.
     recv raises ProtocolError for a malformed frame (the connection is then closed, with the reason logged)
@@ -197,8 +176,8 @@ class Connection:
     def __init__(self, *, node_id: str, secret: bytes, role: str, max_payload: int = DEFAULT_MAX_PAYLOAD,
                  faults: Faults | None = None, alloc: Callable[[int], Any] | None = None,
                  checksum: bool = False, max_queued: int = 64, expect_peer: str | None = None):
-        self.node_id = _check_node_id(node_id)
-        self._secret_b = _secret(secret)
+        self.node_id = check_node_id(node_id)
+        self._secret_b = check_secret(secret)
         self.role = role
         self.max_payload = max_payload
         self.faults = faults or Faults()
@@ -337,6 +316,10 @@ class Connection:
     async def wait_closed(self) -> None:
         await asyncio.shield(self._closed)
 
+    def on_closed(self, callback: Callable[[], Any]) -> None:
+        """Call `callback()` once the connection is closed (soon, if it already is)."""
+        self._closed.add_done_callback(lambda _f: callback())
+
     # ------------------------------------------------------------------ sending
     async def _send_frame(self, frame: Frame, *, forward: bool = False, count: bool) -> None:
         """The one send path, for handshake frames (count=False) and every frame after it: encode, hand
@@ -360,29 +343,24 @@ class Connection:
         if count:
             self.frames_sent += 1
         self.bytes_sent += total
-        f = self.faults
-        if count and f.close_after is not None and self.frames_sent >= f.close_after:
-            self._fail_closed(f"fault injection: closed after {f.close_after} frames")
+        if count and self.faults.closes_at(self.frames_sent):
+            self._fail_closed(self.faults.close_reason)
 
     async def _inject_faults(self, chunks: list[Any]) -> list[Any] | None:
-        """Apply `self.faults` to the encoded chunks of the next frame: None drops it."""
+        """Apply `self.faults` (p2pk3.transport.faults) to the encoded chunks of the next frame: None drops it."""
         f = self.faults
         idx = self.frames_sent
-        if f.close_after is not None and idx >= f.close_after:
-            self._fail_closed(f"fault injection: closed after {f.close_after} frames")
+        if f.closes_at(idx):
+            self._fail_closed(f.close_reason)
             raise ConnectionClosed(self._close_reason)
-        if f.delay_s or f.jitter_s:
-            await asyncio.sleep(f.delay_s + random.uniform(0, f.jitter_s))
+        delay = f.delay()
+        if delay is not None:
+            await asyncio.sleep(delay)
             if self._close_reason is not None or self._transport.is_closing():
                 raise ConnectionClosed(self._close_reason or "connection is closing")
-        if f.drop_after is not None and idx >= f.drop_after:
+        if f.drops(idx):
             return None
-        if f.corrupt_frame == idx:
-            data = bytearray(b"".join(bytes(c) for c in chunks))
-            if f.corrupt_offset < len(data):
-                data[f.corrupt_offset] ^= f.corrupt_xor
-            chunks = [bytes(data)]
-        return chunks
+        return f.corrupt(idx, chunks)
 
     def _write_now(self, chunks: list[Any]) -> int:
         """Write as much of `chunks` as the kernel takes now, straight to the socket with one writev (no
@@ -619,7 +597,9 @@ def _as_bytes(v: Any) -> bytes:
     return v if isinstance(v, bytes) else b""
 
 
-async def _run_handshake(conn: Connection, timeout: float) -> None:
+async def run_handshake(conn: Connection, timeout: float) -> None:
+    """Run `conn`'s handshake within `timeout` s; on failure the connection is closed (and the failure
+    logged) and HandshakeTimeout, AuthenticationError, ProtocolError or ConnectionClosed is raised."""
     try:
         await asyncio.wait_for(conn._handshake(), timeout)
     except asyncio.TimeoutError:
@@ -630,7 +610,7 @@ async def _run_handshake(conn: Connection, timeout: float) -> None:
     except AuthenticationError as e:
         log.warning("%s", e)
         conn.close(str(e))
-        await _settle(conn)
+        await settle(conn)
         raise
     except ProtocolError as e:
         if e is not conn._error:  # errors from the decoder are logged where they happen
@@ -642,7 +622,8 @@ async def _run_handshake(conn: Connection, timeout: float) -> None:
         raise
 
 
-async def _settle(conn: Connection, timeout: float = 1.0) -> None:
+async def settle(conn: Connection, timeout: float = 1.0) -> None:
+    """Wait up to `timeout` s for `conn` to finish closing, then abort its transport."""
     try:
         await asyncio.wait_for(conn.wait_closed(), timeout)
     except asyncio.TimeoutError:
@@ -662,121 +643,13 @@ async def open_connection(host: str, port: int, secret: bytes | str, node_id: st
     loop = asyncio.get_running_loop()
     conn = Connection(node_id=node_id, secret=secret, role="client", max_payload=max_payload, faults=faults,
                       alloc=alloc, checksum=checksum, expect_peer=expect_peer, max_queued=max_queued)
-    await asyncio.wait_for(loop.create_connection(lambda: _Protocol(conn), host, port, local_addr=local_addr), timeout)
-    await _run_handshake(conn, handshake_timeout)
+    await asyncio.wait_for(loop.create_connection(lambda: ConnectionProtocol(conn), host, port, local_addr=local_addr), timeout)
+    await run_handshake(conn, handshake_timeout)
     return conn
-
-
-Handler = Callable[[Connection], Awaitable[None]]
-
-
-class Server:
-    """A listening socket; each accepted connection is authenticated, then passed to `handler(conn)`
-    (closed when the handler returns). Bad peers are logged and dropped; the server keeps serving."""
-
-    def __init__(self, secret: bytes, node_id: str, handler: Handler, **conn_kw: Any):
-        self._secret = _secret(secret)
-        self.node_id = _check_node_id(node_id)
-        self.handler = handler
-        self.conn_kw = conn_kw
-        self.handshake_timeout = conn_kw.pop("handshake_timeout", DEFAULT_HANDSHAKE_TIMEOUT)
-        self.connections: set[Connection] = set()  # authenticated, in their handler
-        self._all: set[Connection] = set()
-        self._tasks: set[asyncio.Task] = set()
-        self._server: asyncio.AbstractServer | None = None
-        self.auth_failures = 0
-
-    def _factory(self) -> _Protocol:
-        conn = Connection(node_id=self.node_id, secret=self._secret, role="server", **self.conn_kw)
-        self._all.add(conn)
-        conn._closed.add_done_callback(lambda _f: self._all.discard(conn))
-        proto = _Protocol(conn)
-        t = asyncio.get_running_loop().create_task(self._serve_one(conn))
-        self._tasks.add(t)
-        t.add_done_callback(self._tasks.discard)
-        return proto
-
-    async def _serve_one(self, conn: Connection) -> None:
-        try:
-            await _run_handshake(conn, self.handshake_timeout)
-        except (ProtocolError, TransportError) as e:
-            if isinstance(e, AuthenticationError):
-                self.auth_failures += 1
-            return
-        except Exception:  # pragma: no cover
-            log.exception("handshake with %s crashed", conn.describe())
-            conn.close("internal error", abort=True)
-            return
-        self.connections.add(conn)
-        try:
-            await self.handler(conn)
-        except ConnectionClosed as e:
-            log.info("connection to %s closed: %s", conn.describe(), e.reason)
-        except ProtocolError as e:
-            log.info("dropped %s: %s", conn.describe(), e)
-        except asyncio.CancelledError:
-            conn.close("server shutting down")
-            raise
-        except Exception:
-            log.exception("handler failed on the connection to %s", conn.describe())
-        finally:
-            self.connections.discard(conn)
-            conn.close("handler finished")
-
-    @property
-    def sockets(self) -> list[socket.socket]:
-        return list(self._server.sockets) if self._server else []
-
-    @property
-    def port(self) -> int:
-        return self.sockets[0].getsockname()[1]
-
-    @property
-    def host(self) -> str:
-        return self.sockets[0].getsockname()[0]
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for c in list(self.connections):
-            c.close("server shutting down")
-        for t in list(self._tasks):
-            t.cancel()
-
-    async def wait_closed(self) -> None:
-        if self._server is not None:
-            await self._server.wait_closed()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-        for c in list(self._all):
-            c.close("server shutting down")
-            await _settle(c)
-
-    async def serve_forever(self) -> None:
-        assert self._server is not None
-        await self._server.serve_forever()
-
-    async def __aenter__(self) -> "Server":
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        self.close()
-        await self.wait_closed()
-
-
-async def serve(host: str, port: int, secret: bytes | str, node_id: str, handler: Handler, *,
-                max_payload: int = DEFAULT_MAX_PAYLOAD, handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
-                faults: Faults | None = None, alloc: Callable[[int], Any] | None = None, checksum: bool = False,
-                reuse_port: bool | None = None, backlog: int = 128, max_queued: int = 64) -> Server:
-    """Listen on host:port (port 0: any free port, see `server.port`) and return the started Server."""
-    srv = Server(_secret(secret), node_id, handler, max_payload=max_payload, handshake_timeout=handshake_timeout,
-                 faults=faults, alloc=alloc, checksum=checksum, max_queued=max_queued)
-    loop = asyncio.get_running_loop()
-    srv._server = await loop.create_server(srv._factory, host, port, reuse_port=reuse_port, backlog=backlog)
-    return srv
 
 
 __all__ = [
     "PROTOCOL_VERSION", "TransportError", "ConnectionClosed", "AuthenticationError", "HandshakeTimeout",
-    "ProtocolError", "Faults", "Connection", "Server", "open_connection", "serve", "tune_socket",
+    "ProtocolError", "Connection", "ConnectionProtocol", "open_connection", "run_handshake", "settle",
+    "tune_socket", "check_secret", "check_node_id",
 ]
