@@ -6,8 +6,13 @@ standby slot holds nothing until it is asked to take a dead slot over.
 Ring: slot 0 (embedding + entry) -> ... -> last slot (head: final norm, lm_head, sampling) -> slot 0.
 The parts: stage_runner (torch), worker (batching), links (successor / entry connections), monitor
 (heartbeats), failover (what a dead slot means), entry + serving (sessions and clients), claims and
-discovery (who holds which slot), routes (where each slot is served now). Frame kinds are dispatched by
-the table in `_handlers` (docs/protocol.md lists them all).
+discovery (who holds which slot), routes (where each slot is served now), takeover (the files a spare
+lacks). Frame kinds are dispatched by the table in `_handlers` (docs/protocol.md lists them all; every
+frame is built and parsed in transport/messages).
+
+Just over 500 lines, one module because it is the one place that wires those parts together: the
+lifecycle (start, take over, stop), the handler table and the outbound paths share the daemon's state;
+each part gets from it only what it needs (e.g. the failover Coordinator gets callbacks, not the daemon).
 """
 from __future__ import annotations
 
