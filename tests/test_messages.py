@@ -215,3 +215,21 @@ def test_file_get_bad_range_is_a_request_error_not_a_protocol_error():
         M.parse_file_get(f)
     with pytest.raises(ValueError, match="claim op must be one of"):
         M.claim_frame("s1", "n", 1, op="steal")
+
+
+def test_client_replies_round_trip_and_name_the_bad_field():
+    assert M.parse_token(_roundtrip(M.token_frame(3, "s-1", 42))) == (3, "s-1", 42)
+    lg = np.zeros((2, 4), np.float32)
+    d = M.parse_done(_roundtrip(M.done_frame(3, "s-1", [5, 6], {"prompt_tokens": 2}, {"slot": "s0"}, lg)))
+    assert (d.request_id, d.session, d.tokens, d.stats, d.stage_stats) == (3, "s-1", [5, 6], {"prompt_tokens": 2},
+                                                                           {"slot": "s0"})
+    e = M.parse_error(_roundtrip(M.error_frame(M.ErrorCode.BUSY, "full", request_id=3, fatal=True)))
+    assert e == M.ErrorReply("busy", "full", 3, True)
+    with pytest.raises(ProtocolError, match="token frame: token must be a non-negative integer, got -1"):
+        M.parse_token(Frame.make("token", request_id=3, session="s", token=-1))
+    with pytest.raises(ProtocolError, match="done frame: request_id must be an integer, got 'x'"):
+        M.parse_done(Frame.make("done", request_id="x", session="s", tokens=[]))
+    with pytest.raises(ProtocolError, match="done frame: tokens must be a list"):
+        M.parse_done(Frame.make("done", request_id=1, session="s", tokens=["a"]))
+    with pytest.raises(ProtocolError, match="error frame: code and message must be strings"):
+        M.parse_error(Frame.make("error", code=5, message="m"))

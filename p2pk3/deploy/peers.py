@@ -31,7 +31,7 @@ from typing import Callable, Iterable
 
 from p2pk3.transport.codec import Frame
 from p2pk3.transport.messages import (FILE_CHUNK, ErrorCode, FileChunk, FileGet, FileIndex, FileInfo, error_frame,
-                                      file_chunk_frame, file_get_frame, file_index_frame, file_list_frame,
+                                      file_chunk_frame, file_get_frame, file_index_frame, file_list_frame, parse_error,
                                       parse_file_chunk, parse_file_get, parse_file_index, parse_file_list)
 
 from .manifest import Manifest, ManifestError, safe_name
@@ -201,7 +201,7 @@ async def _ask(conn, make: Callable[[str], Frame]) -> Frame:
         if r.header.get("request_id") not in (rid, None):
             continue
         if r.kind == "error":
-            raise PeerError(r.header.get("message", "error"))
+            raise PeerError(parse_error(r).message)
         return r
 
 

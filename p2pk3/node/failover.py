@@ -24,7 +24,7 @@ from typing import Awaitable, Callable
 from p2pk3.topology import Topology
 from p2pk3.transport.codec import Frame, ProtocolError
 from p2pk3.transport.connection import open_connection
-from p2pk3.transport.messages import ErrorCode, parse_route, retain_frame, route_frame, takeover_frame
+from p2pk3.transport.messages import ErrorCode, parse_error, parse_route, retain_frame, route_frame, takeover_frame
 
 from .entry import Entry
 from .links import DIAL_ERRORS
@@ -191,8 +191,9 @@ class Coordinator:
         t0 = time.time()
         try:
             reply = await self.request(self.routes.address(sb), takeover_frame(slot, replaces), TAKEOVER_TIMEOUT_S)
-            if reply.kind != "route":
-                raise ConnectionError(f"{reply.header.get('code')}: {reply.header.get('message')}")
+            if reply.kind == "error":
+                e = parse_error(reply)
+                raise ConnectionError(f"{e.code}: {e.message}")
             route = parse_route(reply)
         except (*DIAL_ERRORS, ProtocolError) as e:
             log.error("standby %s could not take over slot %s: %s", sb, slot, e)

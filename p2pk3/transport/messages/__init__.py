@@ -15,8 +15,8 @@ peer could have sent wrong, naming the frame and the field, so receivers reject 
 it. Where a well-formed request has invalid contents that the receiver answers rather than closing
 the connection for (`generate`, `file_get`), the parser raises ValueError for those.
 """
-from .client import (MAX_PROMPT, GenerateRequest, cancel_frame, done_frame, error_frame, parse_cancel, status_frame,
-                     token_frame)
+from .client import (MAX_PROMPT, Done, ErrorReply, GenerateRequest, cancel_frame, done_frame, error_frame, parse_cancel,
+                     parse_done, parse_error, parse_token, status_frame, token_frame)
 from .control import (CLAIM_CODES, CLAIM_OPS, ClaimHolder, ClaimMessage, ClaimResult, Route, claim_frame,
                       claim_result_frame, parse_claim, parse_claim_result, parse_retain, parse_route, parse_takeover,
                       retain_frame, route_frame, takeover_frame)
@@ -33,7 +33,8 @@ __all__ = [
     "Segment", "Forward", "Result", "forward_frame", "parse_forward", "result_frame", "parse_result", "free_frame",
     "parse_free", "ping_frame", "pong_frame",
     # clients
-    "GenerateRequest", "token_frame", "done_frame", "cancel_frame", "parse_cancel", "status_frame", "error_frame",
+    "GenerateRequest", "token_frame", "parse_token", "Done", "done_frame", "parse_done", "cancel_frame", "parse_cancel",
+    "status_frame", "ErrorReply", "error_frame", "parse_error",
     # claims and failure handling
     "CLAIM_OPS", "CLAIM_CODES", "ClaimMessage", "ClaimHolder", "ClaimResult", "claim_frame", "parse_claim",
     "claim_result_frame", "parse_claim_result", "takeover_frame", "parse_takeover", "Route", "route_frame",
