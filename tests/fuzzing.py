@@ -25,9 +25,6 @@ from typing import Any
 
 import msgpack
 
-from p2pk3.node.claims import _check_claim
-from p2pk3.node.failover import parse_retain, parse_takeover
-from p2pk3.node.routes import parse_route
 from p2pk3.params import SamplingParams
 from p2pk3.transport import messages as M
 from p2pk3.transport.codec import (DEFAULT_MAX_PAYLOAD, DTYPES, MAGIC, MAX_HEADER_LEN, PREFIX, VERSION, Frame,
@@ -499,7 +496,6 @@ class Verdict:
 def parse_for_daemon(f: Frame, target: Target) -> str | None:
     """Run the parser the daemon runs for `f` (ProtocolError: the daemon closes the connection).
     Returns why the frame must be withheld from a live ring, or None."""
-    h = f.header
     k = f.kind
     if k == "forward":
         fw = M.parse_forward(f)
@@ -516,8 +512,7 @@ def parse_for_daemon(f: Frame, target: Target) -> str | None:
     elif k == "cancel":
         M.parse_cancel(f)
     elif k == "claim":
-        _check_claim(h)
-        if h["slot"] in target.slots:
+        if M.parse_claim(f).slot in target.slots:
             return "claim for a real slot"
     elif k == "generate":
         try:
@@ -527,16 +522,23 @@ def parse_for_daemon(f: Frame, target: Target) -> str | None:
         if len(req.prompt) > 64 or req.params.max_tokens > 4 or req.logits:
             return "generate that loads the ring"
     elif k == "route":
-        r = parse_route(f)
+        r = M.parse_route(f)
         if r.slot in target.slots:
             return "route for a real slot"
     elif k == "takeover":
-        parse_takeover(f)
+        M.parse_takeover(f)
     elif k == "retain":
-        parse_retain(f)
+        M.parse_retain(f)
         return "retain (frees every session not listed)"
-    elif k in ("ping", "status", "file_list", "file_get"):
-        pass  # answered (file_get: with a chunk or a bad_request error), never closes the connection
+    elif k == "file_list":
+        M.parse_file_list(f)
+    elif k == "file_get":
+        try:
+            M.parse_file_get(f)
+        except ValueError:
+            return None  # answered with bad_request
+    elif k in ("ping", "status"):
+        pass  # answered, never closes the connection
     else:
         raise ProtocolError(f"unexpected frame kind {k!r}")
     return None
@@ -544,19 +546,20 @@ def parse_for_daemon(f: Frame, target: Target) -> str | None:
 
 def run_all_parsers(f: Frame, vocab: int) -> None:
     """Every parser on every frame, whatever its kind: each may only raise ProtocolError (GenerateRequest
-    also ValueError, which the entry answers with bad_request)."""
+    and parse_file_get also ValueError, which the receiver answers with bad_request)."""
     g = Frame(dict(f.header), f.buffers, f.payload, f.wire)
     for kind, fn in (("forward", M.parse_forward), ("result", M.parse_result), ("free", M.parse_free),
-                     ("cancel", M.parse_cancel), ("route", parse_route), ("takeover", parse_takeover),
-                     ("retain", parse_retain), ("claim", lambda x: _check_claim(x.header)),
+                     ("cancel", M.parse_cancel), ("route", M.parse_route), ("takeover", M.parse_takeover),
+                     ("retain", M.parse_retain), ("claim", M.parse_claim),
+                     ("file_list", M.parse_file_list), ("file_get", M.parse_file_get),
                      ("generate", lambda x: M.GenerateRequest.parse(x, vocab))):
         g.header["kind"] = kind
         try:
             fn(g)
         except ProtocolError:
             pass
-        except ValueError:
-            if kind != "generate":
+        except ValueError:  # contents the receiver answers with bad_request
+            if kind not in ("generate", "file_get"):
                 raise
     for key in ("params", "sample"):
         v = f.header.get(key)

@@ -6,9 +6,8 @@ import random
 
 import pytest
 
-from p2pk3.node.claims import (
-    ClaimRefused, ClaimTable, claim_frame, connection_asker, handle_claim, negotiate_claim,
-)
+from p2pk3.node.claims import ClaimRefused, ClaimTable, connection_asker, handle_claim, negotiate_claim
+from p2pk3.transport.messages import claim_frame, parse_claim
 from p2pk3.transport.server import serve
 from conftest import run as _run  # the one deadline-guarded runner
 
@@ -41,7 +40,7 @@ class Net:
             await asyncio.sleep(self.rng.uniform(0, self.max_delay))
             if peer in self.down:
                 raise ConnectionRefusedError(f"{peer} is down")
-            reply = handle_claim(self.t[peer], frame, peer_id=me)
+            reply = handle_claim(self.t[peer], parse_claim(frame), peer_id=me)
             await asyncio.sleep(self.rng.uniform(0, self.max_delay))
             return reply
         return ask
@@ -50,7 +49,7 @@ class Net:
         async def notify(peer, frame):
             await asyncio.sleep(self.rng.uniform(0, self.max_delay))
             if peer not in self.down:
-                handle_claim(self.t[peer], frame, peer_id=me)
+                handle_claim(self.t[peer], parse_claim(frame), peer_id=me)
         return notify
 
     async def claim(self, me: str, slot: str):
@@ -203,9 +202,9 @@ def test_observation_order_and_claims_for_others():
     assert t.observe("C", "s1", 1) == "new"  # C moved: it released s0 ...
     assert t.holder("s0") is None and t.max_epoch("s0") == 2  # ... whose epoch stays
     assert t.observe("C", None, 1) == "released" and t.holder("s1") is None
-    reply = handle_claim(t, claim_frame("s0", "X", 3), peer_id="Y")
+    reply = handle_claim(t, parse_claim(claim_frame("s0", "X", 3)), peer_id="Y")
     assert reply.header["granted"] is False and reply.header["code"] == "forbidden"
-    reply = handle_claim(t, claim_frame("s0", "Y", 3), peer_id="Y")
+    reply = handle_claim(t, parse_claim(claim_frame("s0", "Y", 3)), peer_id="Y")
     assert reply.header["granted"] is True
 
 
@@ -217,7 +216,7 @@ def test_race_over_authenticated_connections():
         for n in names:
             async def handler(conn, n=n):
                 async for f in conn:
-                    r = handle_claim(tables[n], f, peer_id=conn.peer_id)
+                    r = handle_claim(tables[n], parse_claim(f), peer_id=conn.peer_id)
                     if r is not None:
                         await conn.send(r)
             servers[n] = await serve("127.0.0.1", 0, SECRET, n, handler)

@@ -313,7 +313,7 @@ def test_class_of_covers_every_checkpoint_matrix():
 
 # ------------------------------------------------------------------------------------------ loader hook
 def _stage(ckpt, formats=None, cache=None):
-    from p2pk3.engine.reference import load_stage
+    from p2pk3.checkpoint.stage import load_stage
     from p2pk3.model.config import K3Config
     from p2pk3.model.stage import StagePlan
     cfg = K3Config.from_pretrained(ckpt)
@@ -407,7 +407,7 @@ def test_mxlinear_weight_and_leading_dims(seed):
 def test_shipped_model_perplexity_with_formats():
     """The held-out slice shipped with the model (tests/test_shipped_model.py), scored as shipped and with
     every class in MXFP8 / MXFP4 (docs/quality.md has the full held-out numbers)."""
-    from p2pk3.engine.reference import load_stage
+    from p2pk3.checkpoint.stage import load_stage
     from p2pk3.model.cache import Span
     from p2pk3.model.config import K3Config
     from p2pk3.model.stage import StagePlan

@@ -21,6 +21,7 @@ import fuzzing
 from p2pk3.params import SamplingParams
 from p2pk3.transport import codec
 from p2pk3.transport import messages as M
+from p2pk3.transport.messages.fields import sampling
 from p2pk3.transport.codec import DEFAULT_MAX_PAYLOAD, Frame, ProtocolError
 from p2pk3.transport.connection import HANDSHAKE_MAX_HEADER
 from p2pk3.transport.decoder import FrameDecoder
@@ -98,7 +99,7 @@ def test_sampling_params_from_wire(d):
         return
     assert p.max_tokens >= 0 and 0 < p.top_p <= 1 and len(p.stop_ids) <= 64
     try:  # the wire parsers also refuse non-finite floats
-        M._params(d, "sample")
+        sampling(d, "sample")
     except ProtocolError:
         assert not (math.isfinite(p.temperature) and math.isfinite(p.top_p))
 

@@ -1,4 +1,7 @@
-"""Frame kinds (transport/messages.py): builders and parsers, and the one sampling schema."""
+"""Frame kinds (transport/messages/): builders and parsers, and the one sampling schema."""
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -94,3 +97,139 @@ def test_client_frames():
     d = M.done_frame(5, "s1", [4, 5], {"a": 1}, {"slot": "s0"})
     assert d.header["tokens"] == [4, 5] and d.header["request_id"] == 5
     assert M.token_frame(5, "s1", 3).header == {"kind": "token", "request_id": 5, "session": "s1", "token": 3}
+
+
+# ------------------------------------------------------------------- control and file frames (issue 20)
+# tests/data/frames_before_issue20.json: the wire bytes these kinds had when node/claims.py, node/failover.py,
+# node/routes.py, node/daemon.py and deploy/peers.py built them (captured before the move). The builders here
+# must produce the same bytes, and the parsers must read those bytes back.
+FIXTURE = json.loads((Path(__file__).parent / "data" / "frames_before_issue20.json").read_text())
+HOLDER = M.ClaimHolder("gpu2", 3, 1764600000.5, True)
+NEW = {
+    "claim request": lambda: M.claim_frame("s1", "gpu3", 4),
+    "claim commit": lambda: M.claim_frame("s1", "gpu3", 4, "commit", 1764600000.25),
+    "claim takeover": lambda: M.claim_frame("s2", "spare", 7, replaces=("gpu5", 6)),
+    "claim release": lambda: M.claim_frame("s0", "gpu1", 2, "release", 1764600000.0),
+    "claim_result granted": lambda: M.claim_result_frame(M.ClaimResult("s1", True, "granted", "granted", None, 4)),
+    "claim_result held": lambda: M.claim_result_frame(M.ClaimResult(
+        "s1", False, "held", "slot s1 is held by node gpu2 (epoch 3) since x", HOLDER, 3)),
+    "takeover": lambda: M.takeover_frame("s2", ("gpu5", 6)),
+    "takeover no holder": lambda: M.takeover_frame("s0", None),
+    "retain": lambda: M.retain_frame([("a", 0), ("b", 2)]),
+    "retain empty": lambda: M.retain_frame([]),
+    "route": lambda: M.route_frame(M.Route("s2", "spare", "10.0.0.9", 47811, 7)),
+    "route (daemon)": lambda: M.route_frame(M.Route("s0", "sb@h", "127.0.0.1", 5000, 3)),
+    "file_list": lambda: M.file_list_frame("00aa11bb22cc"),
+    "file_index": lambda: M.file_index_frame(M.FileIndex("a1b2c3d4e5f6", {"config.json": M.FileInfo(12, "ab" * 32)},
+                                                         "c0ffee", "org/model")),
+    "file_index empty": lambda: M.file_index_frame(M.FileIndex(None, {})),
+    "file_get": lambda: M.file_get_frame(M.FileGet("00aa11bb22cd", "model-00001.safetensors", 8 << 20, 1234, 50.0)),
+    "file_get no cap": lambda: M.file_get_frame(M.FileGet("00aa11bb22ce", "x.safetensors", 0, 8 << 20)),
+    "file_chunk": lambda: M.file_chunk_frame(M.FileChunk("r1", "x.safetensors", 0, 5, bytearray(b"hello"))),
+}
+PARSED = {
+    "claim request": (M.parse_claim, M.ClaimMessage("s1", "gpu3", 4)),
+    "claim commit": (M.parse_claim, M.ClaimMessage("s1", "gpu3", 4, "commit", 1764600000.25)),
+    "claim takeover": (M.parse_claim, M.ClaimMessage("s2", "spare", 7, replaces=("gpu5", 6))),
+    "claim release": (M.parse_claim, M.ClaimMessage("s0", "gpu1", 2, "release", 1764600000.0)),
+    "claim_result granted": (M.parse_claim_result, M.ClaimResult("s1", True, "granted", "granted", None, 4)),
+    "claim_result held": (M.parse_claim_result, M.ClaimResult(
+        "s1", False, "held", "slot s1 is held by node gpu2 (epoch 3) since x", HOLDER, 3)),
+    "takeover": (M.parse_takeover, ("s2", ("gpu5", 6))),
+    "takeover no holder": (M.parse_takeover, ("s0", None)),
+    "retain": (M.parse_retain, {"a": 0, "b": 2}),
+    "retain empty": (M.parse_retain, {}),
+    "route": (M.parse_route, M.Route("s2", "spare", "10.0.0.9", 47811, 7)),
+    "route (daemon)": (M.parse_route, M.Route("s0", "sb@h", "127.0.0.1", 5000, 3)),
+    "file_list": (M.parse_file_list, "00aa11bb22cc"),
+    "file_index": (M.parse_file_index, M.FileIndex("a1b2c3d4e5f6", {"config.json": M.FileInfo(12, "ab" * 32)},
+                                                   "c0ffee", "org/model")),
+    "file_index empty": (M.parse_file_index, M.FileIndex(None, {})),
+    "file_get": (M.parse_file_get, M.FileGet("00aa11bb22cd", "model-00001.safetensors", 8 << 20, 1234, 50.0)),
+    "file_get no cap": (M.parse_file_get, M.FileGet("00aa11bb22ce", "x.safetensors", 0, 8 << 20)),
+}
+
+
+def test_every_moved_kind_is_covered():
+    assert set(NEW) == set(FIXTURE) and set(PARSED) | {"file_chunk"} == set(FIXTURE)
+
+
+@pytest.mark.parametrize("name", sorted(FIXTURE))
+def test_moved_kinds_keep_their_wire_bytes(name):
+    assert encode_bytes(NEW[name]()).hex() == FIXTURE[name]["bytes"]
+
+
+@pytest.mark.parametrize("name", sorted(PARSED))
+def test_moved_kinds_parse_the_old_bytes(name):
+    (f,) = FrameDecoder().feed(bytes.fromhex(FIXTURE[name]["bytes"]))
+    parse, want = PARSED[name]
+    assert parse(f) == want
+
+
+def test_file_chunk_parses_the_old_bytes():
+    (f,) = FrameDecoder().feed(bytes.fromhex(FIXTURE["file_chunk"]["bytes"]))
+    c = M.parse_file_chunk(f)
+    assert (c.request_id, c.path, c.offset, c.size, bytes(c.data)) == ("r1", "x.safetensors", 0, 5, b"hello")
+
+
+@pytest.mark.parametrize("kind,fields,parse,msg", [
+    ("claim", {"slot": "s1", "node": "n", "epoch": True}, M.parse_claim,
+     "claim frame: epoch must be a non-negative integer, got True"),
+    ("claim", {"slot": "s1", "node": "n", "epoch": 1, "op": "steal"}, M.parse_claim, "claim frame: op must be one of"),
+    ("claim", {"slot": "s1", "node": "n", "epoch": 1, "since": "x"}, M.parse_claim,
+     "claim frame: since must be a unix time or nil"),
+    ("claim", {"slot": "s1", "node": "n", "epoch": 1, "replaces": [1, 2]}, M.parse_claim,
+     "claim frame: 'replaces' must be"),
+    ("claim", {"slot": "z" * 300, "node": "n", "epoch": 1}, M.parse_claim, "claim frame: slot must be a non-empty string"),
+    ("claim_result", {"slot": "s1", "granted": 1, "code": "held", "reason": ""}, M.parse_claim_result,
+     "claim_result frame: granted must be a bool"),
+    ("claim_result", {"slot": "s1", "granted": False, "code": "maybe", "reason": ""}, M.parse_claim_result,
+     "claim_result frame: code must be one of"),
+    ("claim_result", {"slot": "s1", "granted": False, "code": "held", "reason": "", "holder": {"node": "x"}},
+     M.parse_claim_result, "claim_result frame: holder.epoch must be a non-negative integer"),
+    ("takeover", {"slot": 5}, M.parse_takeover, "takeover frame: slot must be a non-empty string"),
+    ("takeover", {"slot": "s1", "replaces": {"node": "x", "epoch": -1}}, M.parse_takeover,
+     "takeover frame: replaces.epoch must be a non-negative integer"),
+    ("route", {"slot": "s1", "node": "n", "host": "h", "port": 0, "epoch": 1}, M.parse_route,
+     "route frame: port must be an integer in 1..65535, got 0"),
+    ("route", {"slot": "s1", "node": "n", "host": "h", "port": 5, "epoch": -1}, M.parse_route,
+     "route frame: epoch must be a non-negative integer"),
+    ("retain", {"sessions": [["a", 1, 2]]}, M.parse_retain, r"retain frame: sessions\[0\] must be \[session"),
+    ("retain", {"sessions": {"a": 1}}, M.parse_retain, "retain frame: 'sessions' must be a list"),
+    ("file_list", {"request_id": [1]}, M.parse_file_list, "file_list frame: request_id must be"),
+    ("file_index", {"files": {"a": {"size": -1, "sha256": "x"}}}, M.parse_file_index,
+     r"file_index frame: files\['a'\].size must be a non-negative integer"),
+    ("file_get", {"path": 7}, M.parse_file_get, "file_get frame: path must be a string"),
+    ("file_chunk", {"path": "a", "offset": 0, "size": 1}, M.parse_file_chunk,
+     "file_chunk frame: needs exactly one tensor, 'data'"),
+    ("route", {"slot": "s1"}, M.parse_takeover, "expected a takeover frame, got 'route'"),
+])
+def test_control_and_file_parsers_name_the_bad_field(kind, fields, parse, msg):
+    with pytest.raises(ProtocolError, match=msg):
+        parse(_roundtrip(Frame.make(kind, **fields)))
+
+
+def test_file_get_bad_range_is_a_request_error_not_a_protocol_error():
+    f = Frame.make("file_get", path="a", offset=-1, length=5, request_id="r")
+    with pytest.raises(ValueError, match="offset and length must be non-negative integers"):
+        M.parse_file_get(f)
+    with pytest.raises(ValueError, match="claim op must be one of"):
+        M.claim_frame("s1", "n", 1, op="steal")
+
+
+def test_client_replies_round_trip_and_name_the_bad_field():
+    assert M.parse_token(_roundtrip(M.token_frame(3, "s-1", 42))) == (3, "s-1", 42)
+    lg = np.zeros((2, 4), np.float32)
+    d = M.parse_done(_roundtrip(M.done_frame(3, "s-1", [5, 6], {"prompt_tokens": 2}, {"slot": "s0"}, lg)))
+    assert (d.request_id, d.session, d.tokens, d.stats, d.stage_stats) == (3, "s-1", [5, 6], {"prompt_tokens": 2},
+                                                                           {"slot": "s0"})
+    e = M.parse_error(_roundtrip(M.error_frame(M.ErrorCode.BUSY, "full", request_id=3, fatal=True)))
+    assert e == M.ErrorReply("busy", "full", 3, True)
+    with pytest.raises(ProtocolError, match="token frame: token must be a non-negative integer, got -1"):
+        M.parse_token(Frame.make("token", request_id=3, session="s", token=-1))
+    with pytest.raises(ProtocolError, match="done frame: request_id must be an integer, got 'x'"):
+        M.parse_done(Frame.make("done", request_id="x", session="s", tokens=[]))
+    with pytest.raises(ProtocolError, match="done frame: tokens must be a list"):
+        M.parse_done(Frame.make("done", request_id=1, session="s", tokens=["a"]))
+    with pytest.raises(ProtocolError, match="error frame: code and message must be strings"):
+        M.parse_error(Frame.make("error", code=5, message="m"))

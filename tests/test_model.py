@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2pk3.engine.reference import Pipeline, load_stage, nll
+from p2pk3.checkpoint.stage import load_stage
+from p2pk3.engine.reference import Pipeline, nll
 from p2pk3.engine.sampling import SamplingParams
 from p2pk3.model.cache import CacheFull, SessionError, Span
 from p2pk3.model.config import KIMI_K3, TINY_K3, TINY_KIMI_LINEAR, ConfigError, ConfigWarning, K3Config

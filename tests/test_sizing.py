@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from p2pk3.model.config import PRESETS, TINY_K3
-from p2pk3.model.kimi_k3 import K3Stage, StagePlan
+from p2pk3.model.stage import K3Stage, StagePlan
 from p2pk3.node.client import Client
 from p2pk3.node.daemon import NodeDaemon
 from p2pk3.node.local import free_ports

@@ -257,7 +257,7 @@ def test_rollback_to_pass_start_is_bitwise_and_bad_rollbacks_change_nothing(emb)
 
 def test_stage_runner_rolls_back_when_a_segment_starts_below_the_held_length(ckpt):
     """The rollback point travels with the next segment; a stale start without a checkpoint is refused."""
-    from p2pk3.engine.reference import load_stage
+    from p2pk3.checkpoint.stage import load_stage
     from p2pk3.model.stage import StagePlan
     cfg = K3Config.from_pretrained(ckpt)
     stage = load_stage(ckpt, StagePlan.whole(cfg), cfg=cfg)

@@ -69,7 +69,7 @@ def k3_token_gb(params: dict[str, int], formats: dict[str, str]) -> float:
 
 # ------------------------------------------------------------------------------------------ tiny model
 def tiny_perplexities(model_dir: Path, configs, T: int = 128) -> list[dict]:
-    from p2pk3.engine.reference import load_stage
+    from p2pk3.checkpoint.stage import load_stage
     from p2pk3.model.config import K3Config
     from p2pk3.model.stage import StagePlan
     from p2pk3.tokenizer import load_tokenizer

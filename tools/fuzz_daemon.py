@@ -503,7 +503,7 @@ async def _big_prompt(ring, entry, session_ok, errs) -> dict:
 async def directed(ring, reference, big_prompt: bool = True) -> dict:
     """Hostile requests an authenticated peer can make, each followed by a check that the ring still
     serves a session correctly. Returns what each one got (and `ok` per check)."""
-    from p2pk3.node.failover import takeover_frame
+    from p2pk3.transport.messages import takeover_frame
     from p2pk3.params import SamplingParams
     from p2pk3.transport.codec import Frame
     from p2pk3.transport.messages import GenerateRequest

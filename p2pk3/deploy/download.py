@@ -30,6 +30,7 @@ from p2pk3.model.config import K3Config
 
 from .files import is_small_file, needed_shards, read_weight_map
 from .manifest import IntegrityError, Manifest, git_blob_sha1, sha256_file
+from .peers import fetch_file, list_peer_files
 
 PART_DIR = ".p2pk3-download"
 
@@ -298,7 +299,6 @@ class Downloader:
             f = files.get(name)
             if f is None or (sha is not None and f["sha256"] != sha) or (size is not None and f["size"] != size):
                 continue
-            from .peers import fetch_file
             adv, done = prog.file(name, f["size"], f"peer {addr[0]}:{addr[1]}")
             try:
                 n = asyncio.run(fetch_file(addr, self.secret, name, f["size"], part, rate_mbps=self.peer_rate,
@@ -345,6 +345,18 @@ class Downloader:
         for n in todo:
             self._fetch(n, prog)
 
+    def fetch(self, names: list[str]) -> Outcome:
+        """Only `names` (e.g. the shards a standby lacks before a takeover, node/takeover.py), no config
+        needed: each is kept when verified here, else fetched from a peer (listed now, when `run` or an
+        earlier call has not) or the hub, verified, and recorded in the directory's manifest."""
+        if self.manifest is None:
+            self.manifest = Manifest.load(self.dir) or Manifest(self.dir)
+        if self.peer_addrs and not self.peer_files:
+            self.peer_files = asyncio.run(list_peer_files(self.peer_addrs, self.secret, echo=self.echo))
+        with Progress(self.quiet) as prog:
+            self._ensure(list(names), prog)
+        return self.out
+
     def run(self, cfg_fn: Callable[[Path], K3Config], plans_fn: Callable[[K3Config], list]) -> Outcome:
         """cfg_fn(local_dir) -> the model config (after config.json is here); plans_fn(cfg) -> slot plans."""
         t0 = time.perf_counter()
@@ -358,7 +370,6 @@ class Downloader:
             self.manifest.repo, self.manifest.revision, self.manifest.commit = (
                 self.hub.repo, self.hub.revision, self.hub.commit)
         if self.peer_addrs:
-            from .peers import list_peer_files
             self.peer_files = asyncio.run(list_peer_files(self.peer_addrs, self.secret, echo=self.echo))
         with Progress(self.quiet) as prog:
             # 1. the index and the small files

@@ -1,6 +1,7 @@
 """LAN sharing of checkpoint files between nodes, over the cluster's authenticated channel.
 
-Frames (requests carry a `request_id`, echoed in the answer):
+Frames (transport/messages/files.py builds and parses them; requests carry a `request_id`, echoed in the
+answer):
 
     file_list {}                                  -> file_index {files: {name: {size, sha256}}, commit, repo}
     file_get  {path, offset, length, max_mbps?}   -> file_chunk {path, offset, size} + tensor "data" (uint8 [n])
@@ -13,7 +14,8 @@ at most 8 MiB and paced by a token bucket shared by every transfer of the daemon
 200 MB/s; a request may ask for less), so serving files never starves activation traffic.
 
 The receiver (`fetch_file`) writes to a `.part` file and resumes from its length; the caller verifies the
-SHA-256 against the hub's metadata or the manifest before moving it into place (download.py).
+SHA-256 against the hub's metadata or the manifest before moving it into place (download.py). A standby
+fetches the shards it lacks before a takeover through download.py too (node/takeover.py).
 """
 from __future__ import annotations
 
@@ -22,15 +24,19 @@ import logging
 import os
 import secrets as _secrets
 import time
+import weakref
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterable
 
-from p2pk3.transport.codec import Frame, ProtocolError
-from p2pk3.transport.messages import ErrorCode, error_frame
+from p2pk3.transport.codec import Frame
+from p2pk3.transport.messages import (FILE_CHUNK, ErrorCode, FileChunk, FileGet, FileIndex, FileInfo, error_frame,
+                                      file_chunk_frame, file_get_frame, file_index_frame, file_list_frame, parse_error,
+                                      parse_file_chunk, parse_file_get, parse_file_index, parse_file_list)
 
 from .manifest import Manifest, ManifestError, safe_name
 
-CHUNK = 8 << 20
+CHUNK = FILE_CHUNK  # the most one file_get is answered with
 DEFAULT_SHARE_MBPS = 200.0
 MB = 1_000_000
 REQUEST_TIMEOUT_S = 30.0
@@ -81,6 +87,7 @@ class FileServer:
     def __init__(self, model_dir: str | Path, rate_mbps: float | None = None):
         self.dir = Path(model_dir)
         self.bucket = TokenBucket((rate_mbps or share_rate_mbps()) * MB)
+        self.paced: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # connection -> its own max_mbps bucket
         self.bytes_sent = 0
 
     def manifest(self) -> Manifest | None:
@@ -112,82 +119,59 @@ class FileServer:
                             f"{m.files[name].size} (changed since it was verified)")
         return p, size
 
-    def listing(self) -> dict:
+    def listing(self, request_id: int | str | None = None) -> FileIndex:
         try:
             m = self.manifest()
         except ManifestError:
             m = None
         if m is None:
-            return {"files": {}, "commit": None, "repo": None}
+            return FileIndex(request_id, {})
         files = {}
         for n, e in m.files.items():
             p = self.dir / n
             try:
                 if p.stat().st_size == e.size and p.resolve().is_relative_to(self.dir.resolve()):
-                    files[n] = {"size": e.size, "sha256": e.sha256}
+                    files[n] = FileInfo(e.size, e.sha256)
             except OSError:
                 continue
-        return {"files": files, "commit": m.commit, "repo": m.repo}
-
-
-def _server(daemon) -> FileServer:
-    srv = getattr(daemon, "_file_server", None)
-    if srv is None:
-        srv = daemon._file_server = FileServer(daemon.model_dir)
-    return srv
+        return FileIndex(request_id, files, m.commit, m.repo)
 
 
 MIN_MBPS = 1.0  # a requester may slow a transfer down, not stall the connection
 
 
-def _request_id(h) -> int | str | None:
-    rid = h.get("request_id")
-    ok = rid is None or (isinstance(rid, str) and len(rid) <= 64) or (
-        isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid < 1 << 63)
-    if not ok:
-        raise ProtocolError("file request: request_id must be a string of at most 64 characters or an integer")
-    return rid
-
-
-async def handle_file_list(daemon, conn, f) -> None:
+async def handle_file_list(srv: FileServer, conn, f: Frame) -> None:
     """The daemon's `file_list` handler."""
-    rid = _request_id(f.header)
-    await conn.send(Frame.make("file_index", request_id=rid, **_server(daemon).listing()))
+    await conn.send(file_index_frame(srv.listing(parse_file_list(f))))
 
 
-async def handle_file_get(daemon, conn, f) -> None:
-    """The daemon's `file_get` handler: one chunk of a manifest file, or an error frame (never a crash)."""
-    h = f.header
-    rid = _request_id(h)
-    p = h.get("path")
-    if not isinstance(p, str) or len(p) > 4096:
-        raise ProtocolError("file_get: path must be a string of at most 4096 characters")
-    srv = _server(daemon)
+async def handle_file_get(srv: FileServer, conn, f: Frame) -> None:
+    """The daemon's `file_get` handler: one chunk of a manifest file, or an error frame (never a crash).
+    A malformed frame (ProtocolError) closes the connection; a refused request is answered."""
     try:
-        offset, length = h.get("offset", 0), h.get("length", CHUNK)
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (offset, length)):
-            raise PeerError("file_get refused: offset and length must be non-negative integers")
-        path, size = srv.resolve(h.get("path"))
-        if offset > size:
-            raise PeerError(f"file_get refused: offset {offset} is past the end of {h.get('path')!r} ({size} bytes)")
-        n = min(length, CHUNK, size - offset)
-        cap = h.get("max_mbps")
-        if isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap > 0:
-            cap = max(float(cap), MIN_MBPS)
-            per = getattr(conn, "_p2pk3_bucket", None)
+        g = parse_file_get(f)
+    except ValueError as e:
+        await conn.send(error_frame(ErrorCode.BAD_REQUEST, str(e), request_id=f.header.get("request_id")))
+        return
+    try:
+        path, size = srv.resolve(g.path)
+        if g.offset > size:
+            raise PeerError(f"file_get refused: offset {g.offset} is past the end of {g.path!r} ({size} bytes)")
+        n = min(g.length, CHUNK, size - g.offset)
+        if g.max_mbps is not None:
+            cap = max(g.max_mbps, MIN_MBPS)
+            per = srv.paced.get(conn)
             if per is None or per.rate != cap * MB:
-                per = TokenBucket(cap * MB)
-                conn._p2pk3_bucket = per
+                per = srv.paced[conn] = TokenBucket(cap * MB)
             await per.take(n)
         await srv.bucket.take(n)
-        data = await asyncio.get_running_loop().run_in_executor(None, _read, path, offset, n)
+        data = await asyncio.get_running_loop().run_in_executor(None, _read, path, g.offset, n)
     except PeerError as e:
         log.warning("refused a file request from %s: %s", conn.describe(), e)
-        await conn.send(error_frame(ErrorCode.BAD_REQUEST, str(e), request_id=rid))
+        await conn.send(error_frame(ErrorCode.BAD_REQUEST, str(e), request_id=g.request_id))
         return
     srv.bytes_sent += len(data)
-    await conn.send(Frame.make("file_chunk", {"data": ("uint8", (len(data),), data)}, request_id=rid,
-                               path=h.get("path"), offset=offset, size=size))
+    await conn.send(file_chunk_frame(FileChunk(g.request_id, g.path, g.offset, size, data)))
 
 
 def _read(path: Path, offset: int, n: int) -> bytearray:
@@ -208,16 +192,16 @@ def _node_id() -> str:
     return f"fetch@{os.uname().nodename}:{os.getpid()}"
 
 
-async def _ask(conn, frame: Frame) -> Frame:
+async def _ask(conn, make: Callable[[str], Frame]) -> Frame:
+    """Send the request `make(request_id)` and return the answer with that id (an error: PeerError)."""
     rid = _secrets.token_hex(6)
-    frame.header["request_id"] = rid
-    await conn.send(frame)
+    await conn.send(make(rid))
     while True:
         r = await asyncio.wait_for(conn.recv(), REQUEST_TIMEOUT_S)
         if r.header.get("request_id") not in (rid, None):
             continue
         if r.kind == "error":
-            raise PeerError(r.header.get("message", "error"))
+            raise PeerError(parse_error(r).message)
         return r
 
 
@@ -233,10 +217,8 @@ async def list_peer_files(addrs: Iterable[tuple[str, int]], secret: bytes, *, ec
             echo(f"peer {addr[0]}:{addr[1]}: not reachable ({type(e).__name__}: {e})")
             return addr, None
         try:
-            r = await _ask(conn, Frame.make("file_list"))
-            files = r.header.get("files") or {}
-            return addr, {n: v for n, v in files.items() if safe_name(n) and isinstance(v, dict)
-                          and isinstance(v.get("size"), int) and isinstance(v.get("sha256"), str)}
+            ix = parse_file_index(await _ask(conn, file_list_frame))
+            return addr, {n: {"size": f.size, "sha256": f.sha256} for n, f in ix.files.items() if safe_name(n)}
         except Exception as e:
             echo(f"peer {addr[0]}:{addr[1]}: no file list ({type(e).__name__}: {e})")
             return addr, None
@@ -264,13 +246,15 @@ async def fetch_file(addr: tuple[str, int], secret: bytes, name: str, size: int,
     try:
         with open(part, "ab") as out:
             while have < size:
-                fr = Frame.make("file_get", path=name, offset=have, length=min(CHUNK, size - have),
-                                **({"max_mbps": rate_mbps} if rate_mbps else {}))
-                r = await _ask(conn, fr)
-                if r.kind != "file_chunk" or r.header.get("offset") != have or r.header.get("size") != size:
-                    raise PeerError(f"{name}: unexpected answer {r.kind} at offset {r.header.get('offset')} "
-                                    f"(size {r.header.get('size')}, expected {size})")
-                data = r.buffer("data")
+                get = FileGet(None, name, have, min(CHUNK, size - have), rate_mbps)
+                r = await _ask(conn, lambda rid, get=get: file_get_frame(replace(get, request_id=rid)))
+                if r.kind != "file_chunk":
+                    raise PeerError(f"{name}: unexpected answer {r.kind!r} to file_get at offset {have}")
+                c = parse_file_chunk(r)
+                if c.path != name or c.offset != have or c.size != size:
+                    raise PeerError(f"{name}: unexpected answer {c.path!r} at offset {c.offset} (size {c.size}, "
+                                    f"expected offset {have} of {size})")
+                data = c.data
                 if not len(data):
                     raise PeerError(f"{name}: the peer sent an empty chunk at offset {have}")
                 out.write(data)
@@ -281,43 +265,3 @@ async def fetch_file(addr: tuple[str, int], secret: bytes, name: str, size: int,
     finally:
         conn.close("file fetched")
     return got
-
-
-# ------------------------------------------------------------------------------------------ takeover
-async def fetch_missing_for_slot(daemon, slot_id: str) -> list[str]:
-    """Before a standby takes `slot_id` over: fetch the shards it lacks from the other nodes of the ring
-    (verified against the manifest / the peer's SHA-256). Returns the names fetched."""
-    from .download import Downloader
-    from .files import slot_files
-
-    cfg = daemon.cfg
-    plan = daemon.topo.slot_plan(daemon.topo.slot(slot_id), cfg)
-    names = await asyncio.get_running_loop().run_in_executor(None, slot_files, daemon.model_dir, cfg, plan)
-    m = Manifest.load(daemon.model_dir)
-    # a file on disk is not lacking when there is no manifest (a model dir made by hand; the load decides),
-    # nor when the manifest lists it (the integrity check at load verifies it)
-    lacking = [n for n in names if not (daemon.model_dir / n).is_file() or (m is not None and n not in m.files)]
-    if not lacking:
-        return []
-    addrs = []
-    for s in daemon.topo.slots:
-        if s.id == daemon.slot_id:
-            continue
-        try:
-            addrs.append(daemon.routes.address(s.id))
-        except ConnectionError:
-            continue
-    log.warning("slot %s: fetching %d file(s) from peers before the takeover: %s", slot_id, len(lacking),
-                ", ".join(lacking))
-    d = Downloader(daemon.model_dir, repo=None, peers=addrs, secret=daemon.secret, offline=True, quiet=True,
-                   echo=lambda s: log.warning("%s", s))
-    d.manifest = m or Manifest(daemon.model_dir)
-    d.peer_files = await list_peer_files(addrs, daemon.secret, echo=lambda s: log.warning("%s", s))
-    await asyncio.get_running_loop().run_in_executor(None, _fetch_all, d, lacking)
-    return lacking
-
-
-def _fetch_all(d, names) -> None:
-    from .download import Progress
-    with Progress(quiet=True) as prog:
-        d._ensure(names, prog)

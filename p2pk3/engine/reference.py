@@ -8,11 +8,10 @@ from typing import Iterable
 
 import torch
 
-from p2pk3.checkpoint.loader import load_stage_weights
+from p2pk3.checkpoint.stage import load_stage
 from p2pk3.model.cache import Span
 from p2pk3.model.config import K3Config
-from p2pk3.model.dtypes import torch_dtype
-from p2pk3.model.stage import K3Stage, StagePlan, build_stage
+from p2pk3.model.stage import K3Stage, StagePlan
 
 from .sampling import SamplingParams, fresh_seed, sample_at
 
@@ -34,20 +33,6 @@ def configure_cpu_threads(cfg: K3Config, threads: int | None = None) -> int:
         threads = int(env) if env else (1 if cfg.hidden_size < 2048 else (os.cpu_count() or 1))
     torch.set_num_threads(max(1, threads))
     return threads
-
-
-def load_stage(model_dir: str | Path, plan: StagePlan, dtype="float32", device="cpu",
-               cfg: K3Config | None = None, formats=None, formats_cache: str | Path | None = None) -> K3Stage:
-    """`formats`: per tensor class weight format (p2pk3.quant.formats; None / {} = BF16 as shipped), converted
-    once here; `formats_cache`: a file for the converted tensors (reused while the shards are unchanged)."""
-    cfg = cfg or K3Config.from_pretrained(model_dir)
-    state = load_stage_weights(model_dir, cfg, layers=plan.layers, experts=plan.experts or None, embed=plan.embed,
-                               head=plan.head, layer_parts=plan.parts or None)
-    stage = build_stage(cfg, plan, state, torch_dtype(dtype), device)
-    if formats:
-        from p2pk3.quant.formats import apply_formats, source_fingerprint
-        apply_formats(stage, formats, cache=formats_cache, source=source_fingerprint(model_dir))
-    return stage
 
 
 class Pipeline:

@@ -27,9 +27,11 @@ import logging
 import time
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
-from typing import Any, Awaitable, Callable, Iterable, Mapping
+from typing import Awaitable, Callable, Iterable, Mapping
 
 from p2pk3.transport.codec import Frame, ProtocolError
+from p2pk3.transport.messages import (ClaimHolder, ClaimMessage, ClaimResult, claim_frame, claim_result_frame,
+                                      parse_claim_result)
 
 log = logging.getLogger("p2pk3.claims")
 
@@ -220,15 +222,13 @@ class ClaimTable:
         self._pending_lost.pop(slot, None)
         return e
 
-    def learn(self, slot: str, holder: Mapping[str, Any] | None) -> None:
+    def learn(self, slot: str, holder: ClaimHolder | None) -> None:
         """Take in the slot record a refusing peer sent (a live holder counts as a fresh observation;
         a dead one only raises the epoch our next claim must exceed)."""
-        if not holder or not isinstance(holder.get("node"), str) or not isinstance(holder.get("epoch"), int):
+        if holder is None:
             return
-        node, epoch, since = holder["node"], holder["epoch"], holder.get("since")
-        if not isinstance(since, (int, float)):
-            since = None
-        if holder.get("live"):
+        node, epoch, since = holder.node, holder.epoch, holder.since
+        if holder.live:
             if node != self.node_id:
                 self.observe(node, slot, epoch, since)
             return
@@ -285,58 +285,30 @@ class ClaimTable:
 
 
 # ------------------------------------------------------------------------------------------- messages
-def claim_frame(slot: str, node: str, epoch: int, op: str = "request", since: float | None = None,
-                replaces: tuple[str, int] | None = None) -> Frame:
-    """op: "request" (may I take it?), "commit" (I took it), "release" (I gave it up). `replaces`:
-    (node, epoch) of a holder the failure detector declared dead (a takeover)."""
-    extra = {"replaces": {"node": replaces[0], "epoch": int(replaces[1])}} if replaces else {}
-    return Frame.make("claim", slot=slot, node=node, epoch=int(epoch), op=op, since=since, **extra)
-
-
-def claim_result_frame(slot: str, d: Decision) -> Frame:
+def _reply(slot: str, d: Decision) -> Frame:
     h = d.holder
-    holder = {"node": h.node, "epoch": h.epoch, "since": h.since, "live": d.live} if h is not None else None
-    return Frame.make("claim_result", slot=slot, granted=d.granted, code=d.code, reason=d.reason, holder=holder,
-                      epoch=d.epoch)
+    holder = ClaimHolder(h.node, h.epoch, h.since, d.live) if h is not None else None
+    return claim_result_frame(ClaimResult(slot, d.granted, d.code, d.reason, holder, d.epoch))
 
 
-def _check_claim(h: Mapping[str, Any]) -> None:
-    if not isinstance(h.get("slot"), str) or not isinstance(h.get("node"), str):
-        raise ProtocolError("claim frame needs string 'slot' and 'node'")
-    if not isinstance(h.get("epoch"), int) or isinstance(h.get("epoch"), bool) or h["epoch"] < 0:
-        raise ProtocolError("claim frame needs a non-negative integer 'epoch'")
-    if h.get("op", "request") not in ("request", "commit", "release"):
-        raise ProtocolError(f"claim frame: unknown op {h.get('op')!r}")
-    since = h.get("since")  # shown with fmt_time later: a str / nan / 1e300 would raise there
-    if since is not None and (not isinstance(since, (int, float)) or isinstance(since, bool) or not 0 <= since < 1e11):
-        raise ProtocolError("claim frame: 'since' must be a unix time or nil")
-    rep = h.get("replaces")
-    if rep is not None and (not isinstance(rep, dict) or not isinstance(rep.get("node"), str)
-                            or not isinstance(rep.get("epoch"), int) or isinstance(rep.get("epoch"), bool)):
-        raise ProtocolError("claim frame: 'replaces' must be {node: str, epoch: int}")
-
-
-def handle_claim(table: ClaimTable, frame: Frame, *, peer_id: str | None = None) -> Frame | None:
-    """Apply a received `claim` frame; returns the `claim_result` reply for requests (None otherwise).
-    `peer_id`: the authenticated id of the sender; a claim on behalf of another node is refused."""
-    h = frame.header
-    _check_claim(h)
-    slot, node, epoch, op = h["slot"], h["node"], h["epoch"], h.get("op", "request")
-    if peer_id is not None and node != peer_id:
-        return claim_result_frame(slot, Decision(False, f"node {peer_id} cannot claim for node {node}",
-                                                 code="forbidden"))
-    rep = h.get("replaces")
-    if rep is not None:
-        table.mark_dead(slot, rep["node"], rep["epoch"])
-    if op == "commit":
-        table.observe(node, slot, epoch, h.get("since"))
+def handle_claim(table: ClaimTable, claim: ClaimMessage, *, peer_id: str | None = None) -> Frame | None:
+    """Apply a received claim (`parse_claim` of a `claim` frame); returns the `claim_result` reply for
+    requests (None otherwise). `peer_id`: the authenticated id of the sender; a claim on behalf of another
+    node is refused."""
+    c = claim
+    if peer_id is not None and c.node != peer_id:
+        return _reply(c.slot, Decision(False, f"node {peer_id} cannot claim for node {c.node}", code="forbidden"))
+    if c.replaces is not None:
+        table.mark_dead(c.slot, *c.replaces)
+    if c.op == "commit":
+        table.observe(c.node, c.slot, c.epoch, c.since)
         return None
-    if op == "release":
-        r = table.records.get(slot)
-        if r is not None and r.node == node and r.epoch == epoch:
+    if c.op == "release":
+        r = table.records.get(c.slot)
+        if r is not None and r.node == c.node and r.epoch == c.epoch:
             r.released = True
         return None
-    return claim_result_frame(slot, table.decide(slot, node, epoch))
+    return _reply(c.slot, table.decide(c.slot, c.node, c.epoch))
 
 
 Ask = Callable[[str, Frame], Awaitable[Frame | None]]
@@ -371,19 +343,20 @@ async def negotiate_claim(table: ClaimTable, slot: str, peers: Iterable[str], as
         best = 99
         stale_only = True
         for p, r in zip(peers, replies):
-            if r is None:
+            if r is None or r.kind != "claim_result":
                 continue
-            h = r.header
-            if h.get("kind") != "claim_result" or h.get("slot") != slot:
+            try:
+                res = parse_claim_result(r)
+            except ProtocolError as e:  # a reply we cannot read is no grant
+                res = ClaimResult(slot, False, "bad_reply", f"malformed claim_result ({e})")
+            if res.slot != slot or res.granted:
                 continue
-            if not h.get("granted"):
-                hold = h.get("holder") if isinstance(h.get("holder"), dict) else None
-                table.learn(slot, hold)
-                rank = _REFUSAL_RANK.get(str(h.get("code")), 9)
-                if refusal is None or rank < best:
-                    refusal, best = f"{h.get('reason')} (refused by {p})", rank
-                if h.get("code") != "stale":
-                    stale_only = False
+            table.learn(slot, res.holder)
+            rank = _REFUSAL_RANK.get(res.code, 9)
+            if refusal is None or rank < best:
+                refusal, best = f"{res.reason} (refused by {p})", rank
+            if res.code != "stale":
+                stale_only = False
         if refusal is None:
             try:
                 c = table.commit(slot, epoch)
@@ -421,5 +394,5 @@ def connection_asker(addresses: Mapping[str, tuple[str, int]], secret: bytes, no
     return ask
 
 
-__all__ = ["Claim", "ClaimTable", "ClaimRefused", "Decision", "claim_frame", "claim_result_frame", "handle_claim",
-           "negotiate_claim", "connection_asker", "fmt_time"]
+__all__ = ["Claim", "ClaimTable", "ClaimRefused", "Decision", "handle_claim", "negotiate_claim", "connection_asker",
+           "fmt_time"]

@@ -26,7 +26,8 @@ import numpy as np
 from p2pk3.params import SamplingParams
 from p2pk3.transport.codec import ProtocolError
 from p2pk3.transport.connection import ConnectionClosed, TransportError, open_connection
-from p2pk3.transport.messages import GenerateRequest, cancel_frame, status_frame
+from p2pk3.transport.messages import (GenerateRequest, cancel_frame, parse_done, parse_error, parse_token,
+                                      status_frame)
 
 LOST = (ConnectionClosed, TransportError, ConnectionError, OSError, asyncio.TimeoutError, ProtocolError)
 
@@ -156,20 +157,21 @@ class Client:
         try:
             while True:
                 f = await self.conn.recv()
-                h = f.header
-                if h.get("request_id", rid) != rid:
+                if f.header.get("request_id", rid) != rid:
                     continue  # a frame of an earlier, cancelled request
                 if f.kind == "token":
-                    t = int(h["token"])
+                    t = parse_token(f)[2]
                     streamed.append(t)
                     mine.append(t)
                     if on_token:
                         on_token(t)
                 elif f.kind == "done":
+                    d = parse_done(f)
                     lg = np.array(f.array("logits"), dtype=np.float32, copy=True) if f.has("logits") else None
-                    return Reply(list(h["tokens"]), h.get("stats", {}), h.get("stage_stats", {}), lg, mine)
+                    return Reply(d.tokens, d.stats, d.stage_stats, lg, mine)
                 elif f.kind == "error":
-                    raise RequestError(str(h.get("code")), str(h.get("message")))
+                    e = parse_error(f)
+                    raise RequestError(e.code, e.message)
                 else:
                     raise RequestError("bad_reply", f"unexpected frame {f.kind!r}")
         except asyncio.CancelledError:

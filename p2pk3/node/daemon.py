@@ -6,8 +6,13 @@ standby slot holds nothing until it is asked to take a dead slot over.
 Ring: slot 0 (embedding + entry) -> ... -> last slot (head: final norm, lm_head, sampling) -> slot 0.
 The parts: stage_runner (torch), worker (batching), links (successor / entry connections), monitor
 (heartbeats), failover (what a dead slot means), entry + serving (sessions and clients), claims and
-discovery (who holds which slot), routes (where each slot is served now). Frame kinds are dispatched by
-the table in `_handlers` (docs/protocol.md lists them all).
+discovery (who holds which slot), routes (where each slot is served now), takeover (the files a spare
+lacks). Frame kinds are dispatched by the table in `_handlers` (docs/protocol.md lists them all; every
+frame is built and parsed in transport/messages).
+
+Just over 500 lines, one module because it is the one place that wires those parts together: the
+lifecycle (start, take over, stop), the handler table and the outbound paths share the daemon's state;
+each part gets from it only what it needs (e.g. the failover Coordinator gets callbacks, not the daemon).
 """
 from __future__ import annotations
 
@@ -20,27 +25,30 @@ from pathlib import Path
 
 import torch
 
-from p2pk3.engine.reference import configure_cpu_threads, load_stage
+from p2pk3.checkpoint.stage import load_stage
+from p2pk3.engine.reference import configure_cpu_threads
 from p2pk3.model.config import K3Config
 from p2pk3.topology import Topology
 from p2pk3.topology.sizing import loaded_weight_bytes
 from p2pk3.transport.codec import Frame, ProtocolError
 from p2pk3.transport.connection import ConnectionClosed, TransportError, open_connection
-from p2pk3.transport.messages import (ErrorCode, Result, error_frame, free_frame, parse_free, parse_result,
-                                      pong_frame, result_frame, status_frame)
+from p2pk3.transport.messages import (ErrorCode, Result, Route, error_frame, free_frame, parse_claim, parse_free,
+                                      parse_result, parse_retain, parse_route, parse_takeover, pong_frame, result_frame,
+                                      route_frame, status_frame)
 from p2pk3.transport.server import serve
 
 from .claiming import claim_slot
 from .claims import ClaimTable, handle_claim
 from .discovery import Discovery
 from .entry import Entry
-from .failover import Coordinator, parse_retain, parse_takeover
+from .failover import Coordinator, entry_lost, request
 from .links import LinkDown, PeerLink
 from .metrics import memory_usage
 from .monitor import Monitor
 from .options import NodeOptions
-from .routes import Route, RouteTable, parse_route
+from .routes import RouteTable
 from .serving import ClientRequests, ClientService
+from .takeover import fetch_lacking_files
 from .stage_runner import HeadOut, HopOut, StageRunner, hop_frame, model_plan, torch_tensor, wire_tensor, work_from_forward
 from .worker import Free, Retain, StageWorker
 
@@ -82,6 +90,7 @@ class NodeDaemon:
         self.started_mono = time.monotonic()  # the start-up grace (NodeOptions.startup_grace_s) counts from here
         self.cfg: K3Config | None = None
         self._taking: asyncio.Task | None = None
+        self._file_server = None  # deploy.peers.FileServer, made on the first file request
         self._handlers = {
             "forward": self._on_forward, "result": self._on_result, "free": self._on_free, "ping": self._on_ping,
             "status": self._on_status, "claim": self._on_claim, "generate": self._on_generate,
@@ -136,7 +145,10 @@ class NodeDaemon:
         if plan.embed:  # requests are taken from now on; they run once the worker starts
             self.entry = Entry(self.worker.put, self._free_from_entry, prefill_chunk=o.prefill_chunk,
                                max_batch_tokens=o.max_batch_tokens, max_sessions=o.max_sessions)
-            self.coordinator = Coordinator(self)
+            self.coordinator = Coordinator(
+                self.entry, slot_id=slot_id, topo=self.topo, opts=o, routes=self.routes, holder_of=self.holder_of,
+                mark_dead=self.claims.mark_dead, broadcast=self.broadcast, retain=self.retain,
+                request=lambda addr, frame, timeout: request(addr, self.secret, self.node_id, frame, timeout))
             self.clients = ClientService(self.entry, self.cfg.vocab_size, health=self.coordinator.health,
                                          stage_stats=self.public_stats)
 
@@ -145,7 +157,7 @@ class NodeDaemon:
         self.worker.start()
         if self.entry is not None:
             self._start_monitor()
-            self.coordinator.start()
+            self.coordinator.start(self.monitor)
         elif self.monitor is not None:  # a standby that took a stage over watches nothing
             self.monitor.stop()
             self.monitor = None
@@ -192,7 +204,8 @@ class NodeDaemon:
     def _maybe_take_entry(self) -> None:
         if self.role != "standby" or self.monitor is None or self._taking is not None:
             return
-        verdict = Coordinator(self).entry_lost()
+        grace_left = self.opts.startup_grace_s - (time.monotonic() - self.started_mono)
+        verdict = entry_lost(self.monitor, self.topo, self.slot_id, grace_left)
         if verdict is True:
             slot = self.topo.active[0].id
             if self.monitor.state(slot).state != "dead":
@@ -212,7 +225,7 @@ class NodeDaemon:
             return
         finally:
             self._taking = None
-        await self.broadcast(Frame.make("route", **route.to_wire()))
+        await self.broadcast(route_frame(route))
 
     async def stop(self, reason: str = "stopped") -> None:
         if self.stop_reason is None:
@@ -261,8 +274,8 @@ class NodeDaemon:
         log.warning("taking over slot %s (replacing %s)", slot_id, replaces)
         self.role = "loading"
         try:
-            from p2pk3.deploy.peers import fetch_missing_for_slot
-            await fetch_missing_for_slot(self, slot_id)  # shards this spare lacks, from the other nodes
+            plan = self.topo.slot_plan(self.topo.slot(slot_id), self.cfg)  # its shards this spare lacks, from the others
+            await fetch_lacking_files(self.model_dir, self.cfg, plan, self._other_addresses(), self.secret)
             await self._load(slot_id)
             await self._claim_slot(slot_id, replaces)
         except BaseException:
@@ -275,6 +288,17 @@ class NodeDaemon:
         self._start_serving()
         log.warning("took over slot %s at epoch %d: %s", slot_id, self.claim.epoch, self.plan.describe())
         return route
+
+    def _other_addresses(self) -> list[tuple[str, int]]:
+        """Where every other slot of the topology is served (those with no known address are left out)."""
+        out = []
+        for s in self.topo.slots:
+            if s.id != self.slot_id:
+                try:
+                    out.append(self.routes.address(s.id))
+                except ConnectionError:
+                    continue
+        return out
 
     async def broadcast(self, frame: Frame, *, stages_only: bool = False) -> None:
         """Send `frame` to every other node of the topology (best effort, each with a deadline)."""
@@ -370,10 +394,10 @@ class NodeDaemon:
         await conn.send(status_frame(**self.public_stats()))
 
     async def _on_claim(self, conn, f, reqs) -> None:
-        slot = f.header.get("slot")
-        if isinstance(slot, str) and not any(s.id == slot for s in self.topo.slots):  # nor the claim table
-            raise ProtocolError(f"claim for slot {slot[:64]!r}, which is not in the topology")
-        reply = handle_claim(self.claims, f, peer_id=conn.peer_id)
+        c = parse_claim(f)
+        if not any(s.id == c.slot for s in self.topo.slots):  # nor the claim table
+            raise ProtocolError(f"claim for slot {c.slot[:64]!r}, which is not in the topology")
+        reply = handle_claim(self.claims, c, peer_id=conn.peer_id)
         if reply is not None:
             await conn.send(reply)
 
@@ -405,13 +429,20 @@ class NodeDaemon:
                 self.stop(f"slot {r.slot} was taken over by node {r.node} (epoch {r.epoch})")))
         self.routes.announce(r)
 
+    def file_server(self):
+        """What this node serves to peers: the files of its manifest (deploy/peers.py), made on first use."""
+        if self._file_server is None:
+            from p2pk3.deploy.peers import FileServer
+            self._file_server = FileServer(self.model_dir)
+        return self._file_server
+
     async def _on_file_list(self, conn, f, reqs) -> None:
-        from p2pk3.deploy.peers import handle_file_list  # files of the manifest, for peers (deploy/peers.py)
-        await handle_file_list(self, conn, f)
+        from p2pk3.deploy.peers import handle_file_list  # files of the manifest, for peers
+        await handle_file_list(self.file_server(), conn, f)
 
     async def _on_file_get(self, conn, f, reqs) -> None:
         from p2pk3.deploy.peers import handle_file_get  # one chunk of a manifest file, rate-limited
-        await handle_file_get(self, conn, f)
+        await handle_file_get(self.file_server(), conn, f)
 
     async def _on_takeover(self, conn, f, reqs) -> None:
         slot, replaces = parse_takeover(f)
@@ -420,7 +451,7 @@ class NodeDaemon:
         except Exception as e:
             await conn.send(error_frame(ErrorCode.FAILED, f"takeover of slot {slot} failed: {e}"))
             return
-        await conn.send(Frame.make("route", **route.to_wire()))
+        await conn.send(route_frame(route))
 
     # ------------------------------------------------------------------ outbound
     async def _emit(self, segs, out: HopOut | HeadOut) -> None:

@@ -19,51 +19,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Awaitable, Callable
 
+from p2pk3.topology import Topology
 from p2pk3.transport.codec import Frame, ProtocolError
 from p2pk3.transport.connection import open_connection
-from p2pk3.transport.messages import ErrorCode
+from p2pk3.transport.messages import ErrorCode, parse_error, parse_route, retain_frame, route_frame, takeover_frame
 
+from .entry import Entry
 from .links import DIAL_ERRORS
-from .monitor import DEAD, DOWN, UP, PeerState
-from .routes import parse_route, route_frame
-
-if TYPE_CHECKING:
-    from .daemon import NodeDaemon
+from .monitor import DEAD, DOWN, UP, Monitor, PeerState
+from .options import NodeOptions
+from .routes import RouteTable
 
 log = logging.getLogger("p2pk3.node")
 
 TAKEOVER_TIMEOUT_S = 300.0  # loading a K3 slot from local NVMe takes tens of seconds
 
-
-def takeover_frame(slot: str, replaces: tuple[str, int] | None) -> Frame:
-    extra = {"replaces": {"node": replaces[0], "epoch": replaces[1]}} if replaces else {}
-    return Frame.make("takeover", slot=slot, **extra)
-
-
-def parse_takeover(f: Frame) -> tuple[str, tuple[str, int] | None]:
-    h = f.header
-    rep = h.get("replaces")
-    if not isinstance(h.get("slot"), str):
-        raise ProtocolError("takeover frame needs a string 'slot'")
-    if rep is not None:
-        if not (isinstance(rep, dict) and isinstance(rep.get("node"), str) and isinstance(rep.get("epoch"), int)):
-            raise ProtocolError("takeover frame: 'replaces' must be {node: str, epoch: int}")
-        return h["slot"], (rep["node"], rep["epoch"])
-    return h["slot"], None
-
-
-def retain_frame(sessions: list[tuple[str, int]]) -> Frame:
-    return Frame.make("retain", sessions=[[s, e] for s, e in sessions])
-
-
-def parse_retain(f: Frame) -> dict[str, int]:
-    ss = f.header.get("sessions")
-    if not isinstance(ss, list) or not all(isinstance(x, list) and len(x) == 2 and isinstance(x[0], str)
-                                           and isinstance(x[1], int) for x in ss):
-        raise ProtocolError("retain frame: 'sessions' must be a list of [session, epoch]")
-    return {s: e for s, e in ss}
+HolderOf = Callable[[str, "PeerState | None"], "tuple[str, int] | None"]
+Request = Callable[[tuple[str, int], Frame, float], Awaitable[Frame]]
 
 
 async def request(addr: tuple[str, int], secret: bytes, node_id: str, frame: Frame, timeout: float) -> Frame:
@@ -77,8 +51,21 @@ async def request(addr: tuple[str, int], secret: bytes, node_id: str, frame: Fra
 
 
 class Coordinator:
-    def __init__(self, daemon: "NodeDaemon"):
-        self.d = daemon
+    """The entry's repair loop. It is given what it reads and does, not the daemon: `entry` (its sessions),
+    `slot_id` (the entry's own slot), `topo` (which slots are active / standby), `opts` (the timings),
+    `routes` (where slots are served; it announces the new route), `holder_of(slot, state)` (the claim a
+    takeover replaces), `mark_dead(slot, node, epoch)` (void that claim), `broadcast(frame, stages_only=)`
+    (to every other node), `retain(sessions)` (apply a `retain` on this node too) and `request(addr, frame,
+    timeout)` (one request / reply with a standby). The failure detector comes with `start(monitor)`."""
+
+    def __init__(self, entry: Entry, *, slot_id: str, topo: Topology, opts: NodeOptions, routes: RouteTable,
+                 holder_of: HolderOf, mark_dead: Callable[[str, str, int], object],
+                 broadcast: Callable[..., Awaitable[None]], retain: Callable[[dict[str, int]], None],
+                 request: Request):
+        self.entry, self.slot_id, self.topo, self.opts, self.routes = entry, slot_id, topo, opts, routes
+        self.holder_of, self.mark_dead, self.broadcast, self.retain, self.request = (
+            holder_of, mark_dead, broadcast, retain, request)
+        self.monitor: Monitor | None = None
         self.down: dict[str, PeerState] = {}  # active slots that are down, by slot id
         self.unavailable: str | None = None  # why requests are refused (no standby for a down slot)
         self._wake = asyncio.Event()
@@ -87,7 +74,8 @@ class Coordinator:
         self.events: list[dict] = []  # detection / recovery log (status, tests, docs)
         self._last_retain = time.monotonic()
 
-    def start(self) -> None:
+    def start(self, monitor: Monitor) -> None:
+        self.monitor = monitor
         self._task = asyncio.create_task(self._run(), name="failover")
 
     def stop(self) -> None:
@@ -103,23 +91,22 @@ class Coordinator:
         (its node not started, a wrong address) refuses requests at once rather than letting them wait."""
         if self.unavailable:
             return ErrorCode.UNAVAILABLE, self.unavailable
-        m = self.d.monitor
-        o = self.d.opts
-        if m is not None and (self.d.entry is None or not self.d.entry.paused):
+        m, o = self.monitor, self.opts
+        if m is not None and not self.entry.paused:
             now = time.monotonic()
-            for s in self.d.topo.active:
+            for s in self.topo.active:
                 ps = m.state(s.id)
                 # a slot still starting gets a detector period's grace (its link re-dials meanwhile)
-                if (s.id != self.d.slot_id and ps is not None and ps.state == DOWN
+                if (s.id != self.slot_id and ps is not None and ps.state == DOWN
                         and now - ps.since > o.heartbeat_s + o.dead_after_s):
                     return ErrorCode.UNAVAILABLE, (f"slot {s.id} is not reachable ({ps.reason}); start its node "
                                                    f"(`p2pk3 node --topology ... --slot {s.id}`)")
         return None
 
     def _live_standbys(self) -> list[str]:
-        m = self.d.monitor
+        m = self.monitor
         out = []
-        for s in self.d.topo.standby:
+        for s in self.topo.standby:
             ps = m.state(s.id) if m else None
             if ps is not None and ps.state == UP and ps.info.get("role") == "standby":
                 out.append(s.id)
@@ -127,10 +114,10 @@ class Coordinator:
 
     def _scan(self) -> None:
         """Recompute which active slots are down from the detector's states."""
-        m = self.d.monitor
-        grace = time.monotonic() - self.started > self.d.opts.startup_grace_s
-        for s in self.d.topo.active:
-            if s.id == self.d.slot_id:
+        m = self.monitor
+        grace = time.monotonic() - self.started > self.opts.startup_grace_s
+        for s in self.topo.active:
+            if s.id == self.slot_id:
                 continue
             ps = m.state(s.id)
             if ps is None:
@@ -138,9 +125,9 @@ class Coordinator:
             if ps.state == DEAD or (ps.state == DOWN and grace):
                 if s.id not in self.down:
                     self.down[s.id] = ps
-                    holder = self.d.holder_of(s.id, ps)
+                    holder = self.holder_of(s.id, ps)
                     if holder is not None:  # never seen up (DOWN after the grace): void its claim too
-                        self.d.claims.mark_dead(s.id, *holder)
+                        self.mark_dead(s.id, *holder)
                     self.events.append({"event": "down", "slot": s.id, "t": time.time(), "reason": ps.reason})
             elif ps.state == UP and s.id in self.down:
                 del self.down[s.id]
@@ -148,21 +135,18 @@ class Coordinator:
 
     # ------------------------------------------------------------------ the repair loop
     async def _run(self) -> None:
-        entry = self.d.entry
+        entry = self.entry
         while True:
             try:
-                await asyncio.wait_for(self._wake.wait(), self.d.opts.heartbeat_s)
+                await asyncio.wait_for(self._wake.wait(), self.opts.heartbeat_s)
             except asyncio.TimeoutError:
                 pass
             self._wake.clear()
-            if entry is None:
-                entry = self.d.entry
-            if entry is not None:
-                entry.expire(self.d.opts.unit_timeout_s)
-                await self._retain_now_and_then(entry)
+            entry.expire(self.opts.unit_timeout_s)
+            await self._retain_now_and_then(entry)
             self._scan()
             if not self.down:
-                if self.unavailable or (entry is not None and entry.paused):
+                if self.unavailable or entry.paused:
                     await self._recovered("the ring is whole again")
                 continue
             try:
@@ -177,16 +161,16 @@ class Coordinator:
         `free` (a link that broke), a failed request or a hostile peer left behind is freed, so a stage's
         rows never fill up with sessions nobody will finish."""
         now = time.monotonic()
-        if now - self._last_retain < self.d.opts.retain_every_s or entry.paused or self.down:
+        if now - self._last_retain < self.opts.retain_every_s or entry.paused or self.down:
             return
         self._last_retain = now
         live = [(s.id, s.epoch) for s in entry.live()]
-        await self.d.broadcast(retain_frame(live), stages_only=True)
-        self.d.retain(dict(live))
+        await self.broadcast(retain_frame(live), stages_only=True)
+        self.retain(dict(live))
 
     async def _repair(self) -> None:
-        entry = self.d.entry
-        slot = next(s.id for s in self.d.topo.active if s.id in self.down)
+        entry = self.entry
+        slot = next(s.id for s in self.topo.active if s.id in self.down)
         ps = self.down[slot]
         standbys = self._live_standbys()
         if not standbys:
@@ -196,66 +180,60 @@ class Coordinator:
                 log.error("%s", why)
                 self.unavailable = why
                 self.events.append({"event": "unavailable", "slot": slot, "t": time.time()})
-            if entry is not None:
-                entry.fail_all(why, code=ErrorCode.UNAVAILABLE)
+            entry.fail_all(why, code=ErrorCode.UNAVAILABLE)
             return
-        if entry is not None and not entry.paused:
+        if not entry.paused:
             entry.pause(f"repairing slot {slot}")
             entry.replay_all()
-        replaces = self.d.holder_of(slot, ps)
+        replaces = self.holder_of(slot, ps)
         sb = standbys[0]
         log.warning("slot %s is down (%s): asking standby %s to take it over", slot, ps.reason, sb)
         t0 = time.time()
         try:
-            addr = self.d.routes.address(sb)
-            reply = await request(addr, self.d.secret, self.d.node_id, takeover_frame(slot, replaces),
-                                  TAKEOVER_TIMEOUT_S)
-            if reply.kind != "route":
-                raise ConnectionError(f"{reply.header.get('code')}: {reply.header.get('message')}")
+            reply = await self.request(self.routes.address(sb), takeover_frame(slot, replaces), TAKEOVER_TIMEOUT_S)
+            if reply.kind == "error":
+                e = parse_error(reply)
+                raise ConnectionError(f"{e.code}: {e.message}")
             route = parse_route(reply)
         except (*DIAL_ERRORS, ProtocolError) as e:
             log.error("standby %s could not take over slot %s: %s", sb, slot, e)
             self.events.append({"event": "takeover_failed", "slot": slot, "standby": sb, "t": time.time(),
                                 "error": str(e)})
-            await asyncio.sleep(self.d.opts.heartbeat_s)
+            await asyncio.sleep(self.opts.heartbeat_s)
             return
-        self.d.routes.announce(route)
-        self.d.monitor.moved(slot)
-        await self.d.broadcast(route_frame(route))
+        self.routes.announce(route)
+        self.monitor.moved(slot)
+        await self.broadcast(route_frame(route))
         self.events.append({"event": "takeover", "slot": slot, "standby": sb, "node": route.node,
                             "epoch": route.epoch, "t": time.time(), "takeover_s": time.time() - t0})
         del self.down[slot]
         log.warning("slot %s now served by %s (epoch %d)", slot, route.node, route.epoch)
 
     async def _recovered(self, why: str) -> None:
-        entry = self.d.entry
+        entry = self.entry
         self.unavailable = None
-        if entry is not None:
-            if not entry.paused:
-                entry.replay_all()
-            live = [(s.id, s.epoch) for s in entry.live()]
-            await self.d.broadcast(retain_frame(live), stages_only=True)
-            self.d.retain(dict(live))
-            entry.resume()
-            log.warning("%s: %d sessions continue", why, len(live))
+        if not entry.paused:
+            entry.replay_all()
+        live = [(s.id, s.epoch) for s in entry.live()]
+        await self.broadcast(retain_frame(live), stages_only=True)
+        self.retain(dict(live))
+        entry.resume()
+        log.warning("%s: %d sessions continue", why, len(live))
         self.events.append({"event": "recovered", "t": time.time()})
 
-    # ------------------------------------------------------------------ standby side
-    def entry_lost(self) -> bool | float:
-        """On a standby: is the entry slot lost and am I the standby that must take it? Lost: DEAD (answered,
-        then stopped), or DOWN without ever answering once the start-up grace (counted from this daemon's
-        start) is over. Returns the seconds left of that grace when the entry has never answered yet, so
-        that the caller looks again then."""
-        m = self.d.monitor
-        entry_slot = self.d.topo.active[0].id
-        ps = m.state(entry_slot)
-        if ps is None or ps.state not in (DEAD, DOWN):
-            return False
-        if ps.state == DOWN:
-            left = self.d.opts.startup_grace_s - (time.monotonic() - self.d.started_mono)
-            if left > 0:
-                return max(left, 0.05)
-        live = [s.id for s in self.d.topo.standby
-                if s.id == self.d.slot_id or ((p := m.state(s.id)) is not None and p.state == UP
-                                              and p.info.get("role") == "standby")]
-        return bool(live) and live[0] == self.d.slot_id
+
+# ---------------------------------------------------------------------- standby side
+def entry_lost(monitor: Monitor, topo: Topology, slot_id: str, grace_left_s: float) -> bool | float:
+    """On a standby (`slot_id`): is the entry slot lost and am I the standby that must take it? Lost: DEAD
+    (answered, then stopped), or DOWN without ever answering once the start-up grace (`grace_left_s`: what
+    is left of it, counted from this daemon's start) is over. Returns the seconds left of that grace when
+    the entry has never answered yet, so that the caller looks again then."""
+    ps = monitor.state(topo.active[0].id)
+    if ps is None or ps.state not in (DEAD, DOWN):
+        return False
+    if ps.state == DOWN and grace_left_s > 0:
+        return max(grace_left_s, 0.05)
+    live = [s.id for s in topo.standby
+            if s.id == slot_id or ((p := monitor.state(s.id)) is not None and p.state == UP
+                                   and p.info.get("role") == "standby")]
+    return bool(live) and live[0] == slot_id

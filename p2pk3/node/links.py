@@ -13,6 +13,7 @@ from typing import Callable
 
 from p2pk3.transport.codec import Frame, ProtocolError
 from p2pk3.transport.connection import ConnectionClosed, TransportError, open_connection
+from p2pk3.transport.messages import parse_error
 
 log = logging.getLogger("p2pk3.node")
 
@@ -87,7 +88,8 @@ class PeerLink:
                 if self.on_frame is not None:
                     self.on_frame(f)
                 elif f.kind == "error":
-                    log.warning("%s reported: %s: %s", self.name, f.header.get("code"), f.header.get("message"))
+                    e = parse_error(f)
+                    log.warning("%s reported: %s: %s", self.name, e.code, e.message)
         except (ProtocolError, TransportError, ConnectionError):
             pass
 

@@ -5,26 +5,9 @@ node; the highest epoch wins), the live claimant heard by discovery beacons, the
 address. One resolver for the successor link, the failure detector and the entry link."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
-from p2pk3.transport.codec import Frame, ProtocolError
-
-
-@dataclass(frozen=True)
-class Route:
-    slot: str
-    node: str
-    host: str
-    port: int
-    epoch: int
-
-    @property
-    def address(self) -> tuple[str, int]:
-        return self.host, self.port
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"slot": self.slot, "node": self.node, "host": self.host, "port": self.port, "epoch": self.epoch}
+from p2pk3.transport.messages import Route  # the `route` frame's contents
 
 
 class NoRoute(ConnectionError):
@@ -60,17 +43,3 @@ class RouteTable:
         if a is None or not a[0] or not a[1]:
             raise NoRoute(f"no address known for slot {slot} (not announced, not discovered, none in the topology)")
         return a
-
-
-def route_frame(r: Route) -> Frame:
-    return Frame.make("route", **r.to_wire())
-
-
-def parse_route(frame: Frame) -> Route:
-    h = frame.header
-    ok = (isinstance(h.get("slot"), str) and isinstance(h.get("node"), str) and isinstance(h.get("host"), str)
-          and isinstance(h.get("port"), int) and not isinstance(h.get("port"), bool) and 0 < h["port"] < 65536
-          and isinstance(h.get("epoch"), int) and not isinstance(h.get("epoch"), bool) and h["epoch"] >= 0)
-    if not ok:
-        raise ProtocolError("route frame needs slot, node, host (strings), port (1..65535) and epoch (>= 0)")
-    return Route(h["slot"], h["node"], h["host"], h["port"], h["epoch"])

@@ -1,63 +1,15 @@
-"""What each frame kind carries: one builder and one parser per kind (docs/protocol.md lists them all).
-
-Builders raise ValueError on bad arguments (our own bug); parsers raise ProtocolError on anything a
-peer could have sent wrong, naming the field, so receivers reject it before acting on it.
-
-Ring frames (between daemons): `forward` (a stage-boundary hop), `result` (sampled tokens / logits /
-per-session errors on their way to the entry), `free` (end sessions on every stage), `ping` / `pong`.
-Client frames (any authenticated peer <-> the entry): `generate` -> `token`* -> `done` | `error`;
-`cancel` (stop a running request); `status` (request and reply). Claims (node/claims.py) use `claim`.
-"""
+"""Ring frames, between daemons: `forward` (a stage-boundary hop), `result` (sampled tokens / logits /
+per-session errors on their way to the entry), `free` (end sessions on every stage), `ping` / `pong`
+(the failure detector)."""
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from p2pk3.params import MAX_DRAFT, SamplingParams
 
-from .codec import Frame, ProtocolError
-
-
-class ErrorCode:
-    """`code` of an `error` frame."""
-
-    BAD_FRAME = "bad_frame"  # malformed frame or protocol violation; the connection is closed
-    NOT_ENTRY = "not_entry"  # a client request sent to a slot without the entry role
-    BAD_REQUEST = "bad_request"  # a well-formed request with invalid contents (names the field)
-    BUSY = "busy"  # no room for the session right now (sessions or cache full): retry later
-    FAILED = "failed"  # the request failed in the ring (message says where and why)
-    UNAVAILABLE = "unavailable"  # a slot of the ring is down; message names it
-    CANCELLED = "cancelled"  # the request was cancelled
-
-
-MAX_SESSION_ID = 256
-MAX_PROMPT = 1 << 20
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _check_session(v: Any, where: str) -> None:
-    if not ((isinstance(v, str) and 0 < len(v) <= MAX_SESSION_ID) or _is_int(v)):
-        raise ProtocolError(f"{where}: session id must be a non-empty string (<= {MAX_SESSION_ID} chars) or an integer")
-
-
-def _finite(p: SamplingParams) -> SamplingParams:
-    """SamplingParams.from_wire takes any float; NaN / inf make the sampler fail (or divide by zero)."""
-    for k in ("temperature", "top_p"):
-        v = getattr(p, k)
-        if not math.isfinite(v):
-            raise ValueError(f"sampling parameter {k!r} must be finite, got {v}")
-    return p
-
-
-def _params(d: Any, where: str) -> SamplingParams:
-    try:
-        return _finite(SamplingParams.from_wire(d))
-    except (ValueError, TypeError) as e:
-        raise ProtocolError(f"{where}: {e}") from None
+from ..codec import Frame, ProtocolError
+from .fields import ErrorCode, check_session, expect, is_int, sampling
 
 
 # ------------------------------------------------------------------------------------------ segments
@@ -96,19 +48,19 @@ class Segment:
     def from_wire(cls, d: Any, where: str = "segment") -> "Segment":
         if not isinstance(d, dict):
             raise ProtocolError(f"{where}: not a map")
-        _check_session(d.get("session"), where)
+        check_session(d.get("session"), where)
         for k in ("epoch", "start_pos"):
-            if not _is_int(d.get(k)) or d[k] < 0:
+            if not is_int(d.get(k)) or d[k] < 0:
                 raise ProtocolError(f"{where}: {k} must be a non-negative integer, got {d.get(k)!r}")
-        if not _is_int(d.get("n_tokens")) or d["n_tokens"] <= 0:
+        if not is_int(d.get("n_tokens")) or d["n_tokens"] <= 0:
             raise ProtocolError(f"{where}: n_tokens must be a positive integer, got {d.get('n_tokens')!r}")
         s = d.get("sample")
-        sample = _params(s, f"{where}: sample") if s is not None else None
+        sample = sampling(s, f"{where}: sample") if s is not None else None
         want = d.get("logits", False)
         if not isinstance(want, bool):
             raise ProtocolError(f"{where}: logits must be a bool")
         draft = d.get("draft", [])
-        if not isinstance(draft, list) or len(draft) > MAX_DRAFT or not all(_is_int(t) and t >= 0 for t in draft):
+        if not isinstance(draft, list) or len(draft) > MAX_DRAFT or not all(is_int(t) and t >= 0 for t in draft):
             raise ProtocolError(f"{where}: draft must be a list of at most {MAX_DRAFT} non-negative token ids")
         if draft and (d["n_tokens"] != len(draft) + 1 or sample is None or want):
             raise ProtocolError(f"{where}: a draft of {len(draft)} tokens needs n_tokens = {len(draft) + 1} "
@@ -132,12 +84,6 @@ def _parse_segments(header: Mapping[str, Any]) -> list[Segment]:
 
 def _shape_of(t: Any) -> tuple[int, ...]:
     return tuple(t[1]) if isinstance(t, tuple) else tuple(t.shape)
-
-
-def _expect(frame: Frame, kind: str) -> dict[str, Any]:
-    if frame.kind != kind:
-        raise ProtocolError(f"expected a {kind} frame, got {frame.kind!r}")
-    return frame.header
 
 
 # ------------------------------------------------------------------------------------------- forward
@@ -182,10 +128,10 @@ class Forward:
 
 
 def parse_forward(frame: Frame) -> Forward:
-    h = _expect(frame, "forward")
+    h = expect(frame, "forward")
     segs = _parse_segments(h)
     layer, mid = h.get("layer"), h.get("mid_moe", False)
-    if not _is_int(layer) or layer < 0:
+    if not is_int(layer) or layer < 0:
         raise ProtocolError(f"forward frame: bad layer {layer!r}")
     if not isinstance(mid, bool):
         raise ProtocolError("forward frame: mid_moe must be a bool")
@@ -257,14 +203,14 @@ class Result:
     def from_wire(cls, r: Any, where: str) -> "Result":
         if not isinstance(r, dict):
             raise ProtocolError(f"{where}: not a map")
-        _check_session(r.get("session"), where)
+        check_session(r.get("session"), where)
         for k in ("epoch", "pos", "token"):
-            if not _is_int(r.get(k)) or r[k] < 0:
+            if not is_int(r.get(k)) or r[k] < 0:
                 raise ProtocolError(f"{where}: {k} must be a non-negative integer, got {r.get(k)!r}")
         skip, rows, err = r.get("skip", False), r.get("rows", 0), r.get("error")
         if not isinstance(skip, bool):
             raise ProtocolError(f"{where}: skip must be a bool")
-        if not _is_int(rows) or rows < 0:
+        if not is_int(rows) or rows < 0:
             raise ProtocolError(f"{where}: rows must be a non-negative integer")
         code = r.get("code")
         if err is not None and not isinstance(err, str):
@@ -272,7 +218,7 @@ class Result:
         if code is not None and not isinstance(code, str):
             raise ProtocolError(f"{where}: code must be a string")
         acc = r.get("accepted", [])
-        if not isinstance(acc, list) or len(acc) > MAX_DRAFT or not all(_is_int(t) and t >= 0 for t in acc):
+        if not isinstance(acc, list) or len(acc) > MAX_DRAFT or not all(is_int(t) and t >= 0 for t in acc):
             raise ProtocolError(f"{where}: accepted must be a list of at most {MAX_DRAFT} non-negative token ids")
         return cls(r["session"], r["epoch"], r["pos"], r["token"], skip, rows, err, code, tuple(acc))
 
@@ -286,7 +232,7 @@ def result_frame(results: Iterable[Result], logits: Any = None) -> Frame:
 
 
 def parse_result(frame: Frame) -> list[Result]:
-    h = _expect(frame, "result")
+    h = expect(frame, "result")
     rs = h.get("results")
     if not isinstance(rs, list):
         raise ProtocolError("result frame: 'results' must be a list")
@@ -308,22 +254,22 @@ def parse_result(frame: Frame) -> list[Result]:
 def free_frame(sessions: Iterable[tuple[str | int, int]], origin: str = "") -> Frame:
     ss = []
     for sid, epoch in sessions:
-        _check_session(sid, "free")
+        check_session(sid, "free")
         ss.append({"session": sid, "epoch": int(epoch)})
     return Frame.make("free", sessions=ss, origin=origin)
 
 
 def parse_free(frame: Frame) -> tuple[list[tuple[str | int, int]], str]:
     """(sessions as (id, epoch), origin node id)."""
-    h = _expect(frame, "free")
+    h = expect(frame, "free")
     ss = h.get("sessions")
     if not isinstance(ss, list):
         raise ProtocolError("free frame: 'sessions' must be a list")
     out = []
     for s in ss:
-        if not isinstance(s, dict) or not _is_int(s.get("epoch")):
+        if not isinstance(s, dict) or not is_int(s.get("epoch")):
             raise ProtocolError("free frame: each session needs 'session' and an integer 'epoch'")
-        _check_session(s.get("session"), "free")
+        check_session(s.get("session"), "free")
         out.append((s["session"], s["epoch"]))
     origin = h.get("origin", "")
     if not isinstance(origin, str):
@@ -348,79 +294,3 @@ def _echo(v: Any) -> Any:
 
 def pong_frame(ping: Frame, **stats: Any) -> Frame:
     return Frame.make("pong", id=_echo(ping.header.get("id")), t_ns=_echo(ping.header.get("t_ns")), **stats)
-
-
-# ------------------------------------------------------------------------------------------- clients
-@dataclass
-class GenerateRequest:
-    """`generate`: run `prompt` (token ids) and stream the continuation. `logits`: return every
-    position's logits instead of sampling (with max_tokens 0: scoring). `incremental`: feed the prompt
-    one token per step (the decode path)."""
-
-    request_id: int
-    prompt: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    logits: bool = False
-    incremental: bool = False
-
-    def frame(self) -> Frame:
-        return Frame.make("generate", request_id=self.request_id, prompt=[int(t) for t in self.prompt],
-                          params=self.params.to_wire(), logits=self.logits, incremental=self.incremental)
-
-    @classmethod
-    def parse(cls, frame: Frame, vocab_size: int) -> "GenerateRequest":
-        """Raises ProtocolError for a malformed frame and ValueError (-> bad_request) for invalid contents."""
-        h = _expect(frame, "generate")
-        rid = h.get("request_id", 0)
-        if not _is_int(rid):
-            raise ProtocolError("generate frame: request_id must be an integer")
-        prompt = h.get("prompt")
-        if (not isinstance(prompt, list) or not prompt or len(prompt) > MAX_PROMPT
-                or not all(_is_int(t) and 0 <= t < vocab_size for t in prompt)):
-            raise ValueError(f"prompt must be a non-empty list of at most {MAX_PROMPT} token ids in 0..{vocab_size - 1}")
-        params = _finite(SamplingParams.from_wire(h.get("params") or {}))
-        flags = {k: h.get(k, False) for k in ("logits", "incremental")}
-        for k, v in flags.items():
-            if not isinstance(v, bool):
-                raise ValueError(f"{k} must be a bool")
-        return cls(rid, prompt, params, flags["logits"], flags["incremental"])
-
-
-def token_frame(request_id: int, session: str, token: int) -> Frame:
-    return Frame.make("token", request_id=request_id, session=session, token=int(token))
-
-
-def done_frame(request_id: int, session: str, tokens: list[int], stats: dict, stage_stats: dict,
-               logits: Any = None) -> Frame:
-    tensors = [("logits", logits)] if logits is not None else None
-    return Frame.make("done", tensors, request_id=request_id, session=session, tokens=[int(t) for t in tokens],
-                      stats=stats, stage_stats=stage_stats)
-
-
-def cancel_frame(request_id: int) -> Frame:
-    return Frame.make("cancel", request_id=int(request_id))
-
-
-def parse_cancel(frame: Frame) -> int:
-    rid = _expect(frame, "cancel").get("request_id")
-    if not _is_int(rid):
-        raise ProtocolError("cancel frame: request_id must be an integer")
-    return rid
-
-
-def status_frame(**fields: Any) -> Frame:
-    """A status request (no fields) or reply (the node's public statistics)."""
-    return Frame.make("status", **fields)
-
-
-def error_frame(code: str, message: str, **ctx: Any) -> Frame:
-    """code: an ErrorCode (or auth_failed during the handshake); message: for humans; ctx: request_id,
-    session, fatal (the sender closes the connection), ..."""
-    return Frame.make("error", code=code, message=message, **ctx)
-
-
-__all__ = [
-    "ErrorCode", "Segment", "Forward", "Result", "GenerateRequest", "forward_frame", "parse_forward",
-    "result_frame", "parse_result", "free_frame", "parse_free", "ping_frame", "pong_frame", "token_frame",
-    "done_frame", "cancel_frame", "parse_cancel", "status_frame", "error_frame",
-]

@@ -1,0 +1,143 @@
+"""Client frames (any authenticated peer <-> the entry): `generate` -> `token`* -> `done` | `error`;
+`cancel` (stop a running request); `status` (request and reply); `error` (any side, any time)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from p2pk3.params import SamplingParams
+
+from ..codec import Frame, ProtocolError
+from .fields import brief, check_session, count, expect, finite, is_int
+
+MAX_PROMPT = 1 << 20
+
+
+@dataclass
+class GenerateRequest:
+    """`generate`: run `prompt` (token ids) and stream the continuation. `logits`: return every
+    position's logits instead of sampling (with max_tokens 0: scoring). `incremental`: feed the prompt
+    one token per step (the decode path)."""
+
+    request_id: int
+    prompt: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    logits: bool = False
+    incremental: bool = False
+
+    def frame(self) -> Frame:
+        return Frame.make("generate", request_id=self.request_id, prompt=[int(t) for t in self.prompt],
+                          params=self.params.to_wire(), logits=self.logits, incremental=self.incremental)
+
+    @classmethod
+    def parse(cls, frame: Frame, vocab_size: int) -> "GenerateRequest":
+        """Raises ProtocolError for a malformed frame and ValueError (-> bad_request) for invalid contents."""
+        h = expect(frame, "generate")
+        rid = h.get("request_id", 0)
+        if not is_int(rid):
+            raise ProtocolError("generate frame: request_id must be an integer")
+        prompt = h.get("prompt")
+        if (not isinstance(prompt, list) or not prompt or len(prompt) > MAX_PROMPT
+                or not all(is_int(t) and 0 <= t < vocab_size for t in prompt)):
+            raise ValueError(f"prompt must be a non-empty list of at most {MAX_PROMPT} token ids in 0..{vocab_size - 1}")
+        params = finite(SamplingParams.from_wire(h.get("params") or {}))
+        flags = {k: h.get(k, False) for k in ("logits", "incremental")}
+        for k, v in flags.items():
+            if not isinstance(v, bool):
+                raise ValueError(f"{k} must be a bool")
+        return cls(rid, prompt, params, flags["logits"], flags["incremental"])
+
+
+def token_frame(request_id: int, session: str, token: int) -> Frame:
+    return Frame.make("token", request_id=request_id, session=session, token=int(token))
+
+
+def parse_token(frame: Frame) -> tuple[int, str | int, int]:
+    """(request_id, session, token)."""
+    h = expect(frame, "token")
+    check_session(h.get("session"), "token frame")
+    return _request_id(h, "token frame"), h["session"], count(h.get("token"), "token frame: token")
+
+
+@dataclass
+class Done:
+    """A parsed `done`: every generated token, the request's `stats` and the entry's status
+    (`stage_stats`); the logits, when asked, stay in the frame (`frame.array("logits")`)."""
+
+    request_id: int
+    session: str | int
+    tokens: list[int]
+    stats: dict
+    stage_stats: dict
+
+
+def done_frame(request_id: int, session: str, tokens: list[int], stats: dict, stage_stats: dict,
+               logits: Any = None) -> Frame:
+    tensors = [("logits", logits)] if logits is not None else None
+    return Frame.make("done", tensors, request_id=request_id, session=session, tokens=[int(t) for t in tokens],
+                      stats=stats, stage_stats=stage_stats)
+
+
+def parse_done(frame: Frame) -> Done:
+    h = expect(frame, "done")
+    w = "done frame"
+    check_session(h.get("session"), w)
+    tokens = h.get("tokens")
+    if not isinstance(tokens, list) or not all(is_int(t) and t >= 0 for t in tokens):
+        raise ProtocolError(f"{w}: tokens must be a list of non-negative token ids")
+    stats, stage = h.get("stats", {}), h.get("stage_stats", {})
+    if not isinstance(stats, dict) or not isinstance(stage, dict):
+        raise ProtocolError(f"{w}: stats and stage_stats must be maps")
+    if frame.has("logits") and frame.desc("logits")["dtype"] != "float32":
+        raise ProtocolError(f"{w}: logits must be float32, not {frame.desc('logits')['dtype']}")
+    return Done(_request_id(h, w), h["session"], tokens, stats, stage)
+
+
+def cancel_frame(request_id: int) -> Frame:
+    return Frame.make("cancel", request_id=int(request_id))
+
+
+def parse_cancel(frame: Frame) -> int:
+    rid = expect(frame, "cancel").get("request_id")
+    if not is_int(rid):
+        raise ProtocolError("cancel frame: request_id must be an integer")
+    return rid
+
+
+def status_frame(**fields: Any) -> Frame:
+    """A status request (no fields) or reply (the node's public statistics)."""
+    return Frame.make("status", **fields)
+
+
+def error_frame(code: str, message: str, **ctx: Any) -> Frame:
+    """code: an ErrorCode (or auth_failed during the handshake); message: for humans; ctx: request_id,
+    session, fatal (the sender closes the connection), ..."""
+    return Frame.make("error", code=code, message=message, **ctx)
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    """A parsed `error`: `code` (an ErrorCode, or a handshake code), `message`, and the `request_id` it
+    answers (None: the connection's, not a request's); `fatal`: the sender closes the connection."""
+
+    code: str
+    message: str
+    request_id: int | str | None = None
+    fatal: bool = False
+
+
+def parse_error(frame: Frame) -> ErrorReply:
+    h = expect(frame, "error")
+    code, msg, rid, fatal = h.get("code"), h.get("message"), h.get("request_id"), h.get("fatal", False)
+    if not isinstance(code, str) or not isinstance(msg, str):
+        raise ProtocolError("error frame: code and message must be strings")
+    if not (rid is None or isinstance(rid, str) or is_int(rid)) or not isinstance(fatal, bool):
+        raise ProtocolError("error frame: request_id must be a string, an integer or nil, and fatal a bool")
+    return ErrorReply(code, msg, rid, fatal)
+
+
+def _request_id(h: dict, where: str) -> int:
+    rid = h.get("request_id")
+    if not is_int(rid):
+        raise ProtocolError(f"{where}: request_id must be an integer, got {brief(rid)}")
+    return rid
