@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -173,6 +175,62 @@ def test_token_and_unknown_repo(tmp_path, repo):
         r = run(["download", "--topology", str(t), "--slot", "s0", "--repo", hub.repo, "--revision", "nope"],
                 {"HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_good"})
         assert r.exit_code == 1 and "revision 'nope' not found in org/tiny-k3" in r.output
+
+
+def _spoil_in_place(p: Path) -> None:
+    """Same size, different bytes, and a new mtime (as any write leaves; set explicitly so that a coarse
+    file-system clock cannot make the spoiled file look unchanged to the manifest's (size, mtime) cache)."""
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    st = p.stat()
+    p.write_bytes(bytes(data))
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+
+
+@pytest.mark.parametrize("listed", ["listed", "unlisted", "no manifest"])
+@pytest.mark.parametrize("kind", ["shard", "small file"])
+def test_a_wrong_file_already_in_place_is_fetched_again(tmp_path, hub, repo, kind, listed):
+    t = write_topology(tmp_path)
+    args = ["download", "--topology", str(t), "--slot", "s0", "--repo", hub.repo, "--quiet"]
+    assert run(args, {"HF_ENDPOINT": hub.url}).exit_code == 0
+    model = tmp_path / "model"
+    name = sorted(shards_for(repo, {0, 1}, embed=True))[0] if kind == "shard" else "generation_config.json"
+    _spoil_in_place(model / name)
+    assert (model / name).stat().st_size == (repo / name).stat().st_size and sha(model / name) != sha(repo / name)
+    if listed == "unlisted":  # placed by hand: the manifest has no entry for it
+        m = Manifest.load(model)
+        del m.files[name]
+        (model / MANIFEST_FILE).write_text(json.dumps(m.to_dict()))
+    elif listed == "no manifest":
+        (model / MANIFEST_FILE).unlink()
+    hub.log.clear()
+    r = run(args, {"HF_ENDPOINT": hub.url})
+    assert r.exit_code == 0, r.output
+    assert fetched(hub) == {name}  # that file again, nothing else
+    assert sha(model / name) == sha(repo / name)
+    assert Manifest.load(model).files[name].sha256 == sha(repo / name)
+
+
+def test_a_file_the_hub_changed_since_the_manifest_is_fetched_again(tmp_path, repo):
+    """The manifest lists the old content (verified then, unchanged since); the hub's new commit has a file
+    of the same size and other content: it is fetched again, small files (checked by git blob id) included."""
+    src = tmp_path / "hubrepo"
+    shutil.copytree(repo, src)
+    t = write_topology(tmp_path)
+    args = ["download", "--topology", str(t), "--slot", "s0", "--repo", "org/tiny-k3", "--quiet"]
+    with HubStandIn(src) as hub:
+        assert run(args, {"HF_ENDPOINT": hub.url}).exit_code == 0
+    shard = sorted(shards_for(repo, {0, 1}, embed=True))[0]
+    for name in ("generation_config.json", shard):
+        _spoil_in_place(src / name)  # the new revision on the hub
+    with HubStandIn(src, commit="beef" * 10) as hub:
+        r = run(args, {"HF_ENDPOINT": hub.url})
+        assert r.exit_code == 0, r.output
+        assert fetched(hub) == {"generation_config.json", shard}
+    model = tmp_path / "model"
+    for name in ("generation_config.json", shard):
+        assert sha(model / name) == sha(src / name)
+        assert Manifest.load(model).files[name].sha256 == sha(src / name)
 
 
 def test_offline_uses_what_is_there_and_names_what_is_missing(tmp_path, hub, repo):
