@@ -7,13 +7,13 @@ import hashlib
 import json
 import os
 import shutil
-import threading
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from hub_standin import HubStandIn
+from ring_helpers import ring_in_thread
 from p2pk3.checkpoint.loader import canonical_name
 from p2pk3.checkpoint.tiny import write_checkpoint
 from p2pk3.cli import main
@@ -250,31 +250,6 @@ def test_offline_uses_what_is_there_and_names_what_is_missing(tmp_path, hub, rep
 
 
 # ------------------------------------------------------------------------------------------ peers
-class LoopThread:
-    """An asyncio loop in a thread, for daemons the CLI (which runs its own loops) talks to."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.t = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.t.start()
-
-    def run(self, coro, timeout=60):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self):
-        async def drain():  # cancel what the daemons left running (monitor, failover) before the loop stops
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in tasks:
-                t.cancel()
-            await asyncio.wait(tasks, timeout=5) if tasks else None
-        try:
-            self.run(drain(), timeout=10)
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.t.join(5)
-            self.loop.close()
-
-
 @pytest.fixture
 def full_dir(tmp_path, hub, repo):
     """A model directory with every file, fetched and recorded by `p2pk3 download`."""
@@ -285,27 +260,20 @@ def full_dir(tmp_path, hub, repo):
     return tmp_path / "full"
 
 
-def start_daemon(lt, topo_path, slot, model_dir):
-    from p2pk3.node.daemon import NodeDaemon
-    from p2pk3.node.options import NodeOptions
+def peer_ring(topo_path):
+    """The daemons of these tests (started by `ring.call(ring.start(slot, model_dir))`) in a thread's loop, as
+    the CLI under test runs loops of its own."""
     from p2pk3.topology import Topology
     topo = Topology.load(topo_path)
-
-    async def go():
-        d = NodeDaemon(topo, slot, model_dir=model_dir, secret=topo.secret(),
-                       options=NodeOptions(host="127.0.0.1", claim_wait=0.1, dead_after_s=30, heartbeat_s=5))
-        await d.start()
-        return d
-    return lt.run(go())
+    return ring_in_thread(topo, None, slots=(), secret=topo.secret(), host="127.0.0.1", claim_wait=0.1,
+                          dead_after_s=30, heartbeat_s=5)
 
 
 def test_from_peers_fetches_from_the_peer_not_the_hub(tmp_path, hub, repo, full_dir):
     t = write_topology(tmp_path / "ring", hosts=("127.0.0.1", "127.0.0.1"), layers=((0, 2), (3, 5)),
                        path=str(full_dir))
-    lt = LoopThread()
-    d = None
-    try:
-        d = start_daemon(lt, t, "s0", full_dir)
+    with peer_ring(t) as ring:
+        d = ring.call(ring.start("s0", full_dir))
         new = tmp_path / "new"
         r = run(["download", "--topology", str(t), "--slot", "s1", "--local-dir", str(new), "--repo", hub.repo,
                  "--from-peers", "--peer-rate", "50", "--quiet"], {"HF_ENDPOINT": hub.url})
@@ -319,10 +287,6 @@ def test_from_peers_fetches_from_the_peer_not_the_hub(tmp_path, hub, repo, full_
             assert m.files[n].source == f"peer:127.0.0.1:{port}" and sha(new / n) == sha(repo / n)
         assert f"{len(want)} file(s) from the hub" not in r.output and "from peers" in r.output
         assert d._file_server.bytes_sent >= sum((repo / n).stat().st_size for n in want)
-    finally:
-        if d is not None:
-            lt.run(d.stop("test over"))
-        lt.close()
 
 
 def Topology_port(t, sid):
@@ -342,10 +306,8 @@ def test_a_peer_serves_only_manifest_files(tmp_path, hub, repo, full_dir):
     m.record("evil.safetensors", sha(outside), "local")  # even listed, a link out of the directory is refused
     m.save()
     t = write_topology(tmp_path / "ring", hosts=("127.0.0.1",), layers=((0, 5),), path=str(full_dir))
-    lt = LoopThread()
-    d = None
-    try:
-        d = start_daemon(lt, t, "s0", full_dir)
+    with peer_ring(t) as ring:
+        d = ring.call(ring.start("s0", full_dir))
         shard = sorted(all_shards(repo))[0]
 
         async def ask(conn, **kw):
@@ -367,7 +329,7 @@ def test_a_peer_serves_only_manifest_files(tmp_path, hub, repo, full_dir):
                 conn.close()
             return out
 
-        out = lt.run(go())
+        out = ring.call(go())
         msg = {k: v.header.get("message") for k, v in out.items() if v.kind == "error"}
         assert msg["dotdot"] == ("file_get refused: '../outside.txt' is not a plain relative file name of the model "
                                  "directory (no '..', no absolute path)")
@@ -381,10 +343,6 @@ def test_a_peer_serves_only_manifest_files(tmp_path, hub, repo, full_dir):
         assert ok.kind == "file_chunk" and bytes(ok.buffer("data")) == (repo / shard).read_bytes()[8:108]
         assert "evil.safetensors" not in out["list"].header["files"] and shard in out["list"].header["files"]
         assert d.stopped.is_set() is False
-    finally:
-        if d is not None:
-            lt.run(d.stop("test over"))
-        lt.close()
 
 
 def test_standby_fetches_a_slots_shards_from_peers_before_taking_it_over(tmp_path, hub, repo, full_dir):
@@ -395,21 +353,14 @@ def test_standby_fetches_a_slots_shards_from_peers_before_taking_it_over(tmp_pat
              "--quiet"], {"HF_ENDPOINT": hub.url})
     assert r.exit_code == 0, r.output
     assert not list(spare_dir.glob("model-*.safetensors"))  # a spare holds no shards, only config/index/tokenizer
-    lt = LoopThread()
-    a = b = None
-    try:
-        a = start_daemon(lt, t, "s0", full_dir)
-        b = start_daemon(lt, t, "spare", spare_dir)
+    with peer_ring(t) as ring:
+        ring.call(ring.start("s0", full_dir))
+        b = ring.call(ring.start("spare", spare_dir))
         hub.log.clear()
-        route = lt.run(b.take_over("s1", None))
+        route = ring.call(b.take_over("s1", None))
         assert route.slot == "s1" and b.role == "stage"
         want = shards_for(repo, {3, 4, 5}, head=True)
         m = Manifest.load(spare_dir)
         assert {n for n in m.files if n.startswith("model-")} == want
         assert all(sha(spare_dir / n) == sha(repo / n) and m.files[n].source.startswith("peer:") for n in want)
         assert hub.log == []
-    finally:
-        for x in (b, a):
-            if x is not None:
-                lt.run(x.stop("test over"))
-        lt.close()
