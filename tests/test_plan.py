@@ -76,6 +76,7 @@ def _rest(cfg, topo, sid):
     return sum(h * one * k / e for h, one, e, k in tr.experts) + tr.kda_state + tr.mla_per_ctx_token * 32768
 
 
+@pytest.mark.slow
 def test_a_model_that_does_not_fit_is_refused_with_the_shortfall_and_what_would_fit():
     cards = [Card(f"g{i}", "rtx5090", 31.5, 1792) for i in range(40)]
     with pytest.raises(PlanError) as e:
@@ -164,6 +165,7 @@ def _cli(*args, timeout=120):
     return subprocess.run([sys.executable, "-m", "p2pk3.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_cli_plan_refusal_is_one_line_and_topology_check_names_every_problem(tmp_path):
     nodes = tmp_path / "NODES.toml"
     nodes.write_text('[[nodes]]\nname = "rtx5090"\ncount = 20\ngpu = "rtx5090"\n')

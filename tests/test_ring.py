@@ -70,6 +70,7 @@ def test_ring_logits_equal_single_process(ckpt, reference, n):
     assert np.abs(got_decode - want_decode).max() <= 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, "split"])
 def test_concurrent_greedy_sessions_match_single_process(ckpt, reference, n):
     rng = random.Random(7)
@@ -202,6 +203,7 @@ def test_bad_request_is_answered_clearly(ckpt):
     assert len(run(go())) == 2
 
 
+@pytest.mark.slow
 def test_cli_score_through_local_ring_processes(ckpt, reference, tmp_path):
     toks = ",".join(map(str, TOKS[:10]))
     out = subprocess.run([sys.executable, "-m", "p2pk3.cli", "score", "--model", str(ckpt), "--tokens", toks,
@@ -253,6 +255,7 @@ def test_standby_node_joins_and_holds_nothing(ckpt):
     assert len(run(go())) == 3
 
 
+@pytest.mark.slow
 def test_long_prompt_is_prefilled_in_chunks_without_stalling_running_decodes(ckpt):
     """A 240-token prompt arrives while another session decodes: with 8-token prefill chunks the running
     session keeps getting a token per round instead of waiting for the whole prefill."""

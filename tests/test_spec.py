@@ -284,6 +284,7 @@ def test_stage_runner_rolls_back_when_a_segment_starts_below_the_held_length(ckp
 
 
 # ------------------------------------------------------------------------------------------ one process
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["emb", "tiny"])
 def test_pipeline_greedy_speculation_equals_plain_for_every_k(which, request):
     pipe = request.getfixturevalue(which)
@@ -314,6 +315,7 @@ def test_pipeline_greedy_speculation_equals_plain_for_every_k(which, request):
     assert got == want_stop
 
 
+@pytest.mark.slow
 def test_pipeline_seeded_sampling_with_speculation_equals_without(tiny):
     prompts = rand_prompts(3, seed=9)
     p = SamplingParams(temperature=1.1, top_p=0.95, seed=77, max_tokens=20)
@@ -391,6 +393,7 @@ async def _settled(ring):
     return False
 
 
+@pytest.mark.slow
 def test_ring_greedy_speculation_equals_plain_embedded(emb):
     prompts = emb_prompts()
     want = emb.generate(prompts, SamplingParams(max_tokens=20))
@@ -426,6 +429,7 @@ def test_ring_greedy_speculation_equals_plain_embedded(emb):
     assert settled, "sessions (and their checkpoints) must be freed on every stage"
 
 
+@pytest.mark.slow
 def test_ring_every_k_mixed_batches_and_seeded_sampling_tiny(tiny, ckpt):
     prompts = rand_prompts(8, seed=5)
     want = tiny.generate(prompts, SamplingParams(max_tokens=16))
@@ -458,6 +462,7 @@ def test_ring_every_k_mixed_batches_and_seeded_sampling_tiny(tiny, ckpt):
     assert settled
 
 
+@pytest.mark.slow
 def test_ring_replay_and_cancel_mid_verification(tiny, ckpt):
     """A replay (new epoch from position 0) while verify passes are in flight, and a cancelled speculating
     session: outputs stay those of plain decoding, nothing is left on any stage."""
