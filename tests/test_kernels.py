@@ -486,6 +486,7 @@ def test_offline_compile(compiled, name, cap):
     assert r["ok"], f"{name} failed to compile for sm_{cap}: {r.get('err')}"
 
 
+@pytest.mark.slow
 def test_offline_compile_sm90_dequant(compiled):
     for name in ("moe_gate_up_dequant", "moe_down_dequant", "moe_down_dequant_f16"):
         r = compiled[(name, 90)]
@@ -493,6 +494,7 @@ def test_offline_compile_sm90_dequant(compiled):
         assert r["mma"], f"{name}: no tensor-core MMA in the sm_90 PTX"
 
 
+@pytest.mark.slow
 def test_offline_compile_sm120_w4a8_native_mx(compiled):
     for name in ("moe_gate_up_w4a8", "moe_down_w4a8"):
         r = compiled[(name, 120)]
