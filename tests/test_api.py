@@ -97,6 +97,7 @@ async def wait_idle(ring, timeout: float = 10.0) -> list[int]:
 
 
 # ---------------------------------------------------------------- the live ring
+@pytest.mark.slow
 def test_models_and_auth(api, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     bad = openai.OpenAI(base_url=api.url, api_key="wrong-key", max_retries=0)
@@ -116,6 +117,7 @@ def test_models_and_auth(api, client):
     assert asyncio.run(get()) == 200
 
 
+@pytest.mark.slow
 def test_chat_stream_equals_full_equals_cli(client, tok):
     full = client.chat.completions.create(model=MODEL, messages=chat(QUESTION), max_tokens=64, temperature=0)
     text, finish, chunks = stream_chat(client, messages=chat(QUESTION), max_tokens=64, temperature=0,
@@ -135,6 +137,7 @@ def test_chat_stream_equals_full_equals_cli(client, tok):
     assert cli.stdout.removesuffix("\n") == text
 
 
+@pytest.mark.slow
 def test_completions_stream_and_full(client, tok):
     prompt = "The with statement"
     full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
@@ -150,6 +153,7 @@ def test_completions_stream_and_full(client, tok):
     assert by_ids.choices[0].text == full.choices[0].text
 
 
+@pytest.mark.slow
 def test_max_tokens_gives_length(client):
     for kw in ({"max_tokens": 3}, {"max_completion_tokens": 3}):
         r = client.chat.completions.create(model=MODEL, messages=chat(QUESTION), **kw)
@@ -158,6 +162,7 @@ def test_max_tokens_gives_length(client):
         assert finish == "length" and text == r.choices[0].message.content
 
 
+@pytest.mark.slow
 def test_stop_sequences(client, ring, tok):
     ids = tok.apply_chat_template(chat(QUESTION), add_generation_prompt=True)
 
@@ -193,6 +198,7 @@ def test_stop_sequences(client, ring, tok):
     asyncio.run(wait_idle(ring))  # the requests stopped early were cancelled in the ring
 
 
+@pytest.mark.slow
 def test_concurrent_streams_equal_sequential(client, aclient, ring):
     asyncio.run(wait_idle(ring))
     seq = [client.chat.completions.create(model=MODEL, messages=chat(p), max_tokens=24).choices[0].message.content
@@ -215,6 +221,7 @@ def test_concurrent_streams_equal_sequential(client, aclient, ring):
     assert len(set(seq)) > 1
 
 
+@pytest.mark.slow
 def test_bad_bodies_name_the_field(api, client):
     cases = [
         ({"model": MODEL}, "messages"),
@@ -253,6 +260,7 @@ def test_bad_bodies_name_the_field(api, client):
     assert client.chat.completions.create(model=MODEL, messages=chat("hi"), max_tokens=2).choices  # still serving
 
 
+@pytest.mark.slow
 def test_disconnect_mid_stream_frees_the_sessions(api, ring):
     body = {"model": MODEL, "messages": chat(QUESTION), "max_tokens": 2000, "stream": True, "ignore_eos": True}
 
@@ -271,6 +279,7 @@ def test_disconnect_mid_stream_frees_the_sessions(api, ring):
     asyncio.run(go())
 
 
+@pytest.mark.slow
 def test_busy_cluster_is_429(aclient, ring):
     asyncio.run(wait_idle(ring))
 
@@ -296,6 +305,7 @@ def test_busy_cluster_is_429(aclient, ring):
     assert "busy" in res and any(r != "busy" for r in res), res
 
 
+@pytest.mark.slow
 def test_metrics(api):
     async def get():
         async with aiohttp.ClientSession() as s, s.get(api.base_url + "/metrics") as r:
@@ -312,6 +322,7 @@ def test_metrics(api):
     assert value('p2pk3_api_generated_tokens_total') >= 100
 
 
+@pytest.mark.slow
 def test_stage_down_is_503(client, ring):
     """Last of the ring tests: a middle stage dies (no standby); the entry reports the slot unavailable."""
     ring.kill(ring.topo.active[2].id)
@@ -395,6 +406,7 @@ def test_cluster_errors_map_to_http(tok, tmp_path):
     assert "".join(json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-2]) == " the" * 3
 
 
+@pytest.mark.slow
 def test_serve_cli_errors(tmp_path):
     topo = write_local_topology(default_model_dir(), 2, tmp_path)
     (tmp_path / "empty").write_text("\n")

@@ -104,6 +104,7 @@ def test_usage_errors_are_one_line(tmp_path):
 
 
 # ---------------------------------------------------------------- against a live ring
+@pytest.mark.slow
 def test_repl_on_a_terminal(ring, tmp_path):
     env = dict(os.environ, TERM="dumb", HOME=str(tmp_path))
     args = CHAT[1:] + ["--topology", str(ring.topology), "--temperature", "1", "--seed", "1", "--max-tokens", "2000"]
@@ -144,6 +145,7 @@ def test_repl_on_a_terminal(ring, tmp_path):
     assert c.exitstatus == 0
 
 
+@pytest.mark.slow
 def test_piped_stdin_one_message_per_line(ring, tok):
     script = "What is a list?\n/temp x\nWhat is a tuple?\n/stats\n/quit\nnever sent\n"
     r = subprocess.run(CHAT + ["--topology", str(ring.topology), "--max-tokens", "16"], input=script, text=True,
@@ -161,6 +163,7 @@ def test_piped_stdin_one_message_per_line(ring, tok):
     wait_idle(ring)
 
 
+@pytest.mark.slow
 def test_connect_with_secret_file(ring):
     h, p = ring.entry_addr
     r = CliRunner().invoke(main, ["chat", "--connect", f"{h}:{p}", "--secret-file", str(ring.workdir / "secret"),

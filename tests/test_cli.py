@@ -145,6 +145,7 @@ def _run(args, cwd=None, timeout=120, **kw):
                           cwd=cwd, timeout=timeout, **kw)
 
 
+@pytest.mark.slow
 def test_generate_through_a_ring_equals_in_process_with_every_flag():
     """--nodes must not drop --raw / --top-k / --top-p / --temperature / --seed: one code path."""
     flags = ["--prompt", "The with statement", "--raw", "--max-tokens", "12", "--temperature", "1.3",
@@ -158,6 +159,7 @@ def test_generate_through_a_ring_equals_in_process_with_every_flag():
     assert local.output == greedy  # top-k 1 is greedy whatever the temperature
 
 
+@pytest.mark.slow
 def test_node_with_a_port_in_use_names_slot_and_port(tmp_path):
     import socket
     p = _bad_topology(tmp_path)
@@ -170,6 +172,7 @@ def test_node_with_a_port_in_use_names_slot_and_port(tmp_path):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_node_with_a_wrong_secret_exits_instead_of_pretending(tmp_path, ckpt):
     from p2pk3.node.local import LocalRing
     with LocalRing(ckpt, 2) as ring:
@@ -183,6 +186,7 @@ def test_node_with_a_wrong_secret_exits_instead_of_pretending(tmp_path, ckpt):
     assert "took slot" not in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_local_owns_its_daemons_on_sigterm_and_cannot_be_shadowed(tmp_path):
     """SIGTERM ends every daemon of `p2pk3 local` and removes its folder; started from a folder that
     holds a directory named p2pk3 (as the parent of a clone does) the daemons still import the package."""
@@ -219,6 +223,7 @@ def test_local_owns_its_daemons_on_sigterm_and_cannot_be_shadowed(tmp_path):
     assert not workdir.exists()
 
 
+@pytest.mark.slow
 def test_readme_main_command_opens_the_chat_on_a_terminal_and_scripts_without_one():
     """`p2pk3 local --nodes 4 --chat`: on a terminal the REPL (a question, a streamed answer, /quit);
     without one, a single scripted exchange with the ring's statistics."""

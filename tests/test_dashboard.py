@@ -13,6 +13,8 @@ from p2pk3.frontends.cluster_view import ClusterView
 from conftest import local_ring
 from p2pk3.params import SamplingParams
 
+pytestmark = pytest.mark.slow  # every test shares a ring of `p2pk3 node` processes
+
 
 @pytest.fixture(scope="module")
 def ring():

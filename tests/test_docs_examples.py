@@ -31,6 +31,7 @@ def test_the_two_set_up_commands():
     assert test_cmd in (ROOT / ".ci" / "run").read_text()
 
 
+@pytest.mark.slow
 def test_every_command_named_in_the_readme_has_help():
     names = README.split("Commands (`p2pk3 COMMAND --help` for each):", 1)[1].split("Errors are", 1)[0]
     cmds = [c.strip("` .,\n") for c in re.findall(r"`[^`]+`", names)]
@@ -49,6 +50,7 @@ def _sh(cmd: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=timeout, **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("jq") is None or shutil.which("curl") is None,
                     reason="the README's examples use jq and curl (apt-get install jq curl)")
 def test_talk_to_a_running_ring_section_as_written(tmp_path):

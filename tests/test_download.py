@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import threading
+import os
+import shutil
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from hub_standin import HubStandIn
+from ring_helpers import ring_in_thread
 from p2pk3.checkpoint.loader import canonical_name
 from p2pk3.checkpoint.tiny import write_checkpoint
 from p2pk3.cli import main
@@ -175,6 +177,62 @@ def test_token_and_unknown_repo(tmp_path, repo):
         assert r.exit_code == 1 and "revision 'nope' not found in org/tiny-k3" in r.output
 
 
+def _spoil_in_place(p: Path) -> None:
+    """Same size, different bytes, and a new mtime (as any write leaves; set explicitly so that a coarse
+    file-system clock cannot make the spoiled file look unchanged to the manifest's (size, mtime) cache)."""
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    st = p.stat()
+    p.write_bytes(bytes(data))
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+
+
+@pytest.mark.parametrize("listed", ["listed", "unlisted", "no manifest"])
+@pytest.mark.parametrize("kind", ["shard", "small file"])
+def test_a_wrong_file_already_in_place_is_fetched_again(tmp_path, hub, repo, kind, listed):
+    t = write_topology(tmp_path)
+    args = ["download", "--topology", str(t), "--slot", "s0", "--repo", hub.repo, "--quiet"]
+    assert run(args, {"HF_ENDPOINT": hub.url}).exit_code == 0
+    model = tmp_path / "model"
+    name = sorted(shards_for(repo, {0, 1}, embed=True))[0] if kind == "shard" else "generation_config.json"
+    _spoil_in_place(model / name)
+    assert (model / name).stat().st_size == (repo / name).stat().st_size and sha(model / name) != sha(repo / name)
+    if listed == "unlisted":  # placed by hand: the manifest has no entry for it
+        m = Manifest.load(model)
+        del m.files[name]
+        (model / MANIFEST_FILE).write_text(json.dumps(m.to_dict()))
+    elif listed == "no manifest":
+        (model / MANIFEST_FILE).unlink()
+    hub.log.clear()
+    r = run(args, {"HF_ENDPOINT": hub.url})
+    assert r.exit_code == 0, r.output
+    assert fetched(hub) == {name}  # that file again, nothing else
+    assert sha(model / name) == sha(repo / name)
+    assert Manifest.load(model).files[name].sha256 == sha(repo / name)
+
+
+def test_a_file_the_hub_changed_since_the_manifest_is_fetched_again(tmp_path, repo):
+    """The manifest lists the old content (verified then, unchanged since); the hub's new commit has a file
+    of the same size and other content: it is fetched again, small files (checked by git blob id) included."""
+    src = tmp_path / "hubrepo"
+    shutil.copytree(repo, src)
+    t = write_topology(tmp_path)
+    args = ["download", "--topology", str(t), "--slot", "s0", "--repo", "org/tiny-k3", "--quiet"]
+    with HubStandIn(src) as hub:
+        assert run(args, {"HF_ENDPOINT": hub.url}).exit_code == 0
+    shard = sorted(shards_for(repo, {0, 1}, embed=True))[0]
+    for name in ("generation_config.json", shard):
+        _spoil_in_place(src / name)  # the new revision on the hub
+    with HubStandIn(src, commit="beef" * 10) as hub:
+        r = run(args, {"HF_ENDPOINT": hub.url})
+        assert r.exit_code == 0, r.output
+        assert fetched(hub) == {"generation_config.json", shard}
+    model = tmp_path / "model"
+    for name in ("generation_config.json", shard):
+        assert sha(model / name) == sha(src / name)
+        assert Manifest.load(model).files[name].sha256 == sha(src / name)
+
+
 def test_offline_uses_what_is_there_and_names_what_is_missing(tmp_path, hub, repo):
     t = write_topology(tmp_path)
     assert run(["download", "--topology", str(t), "--slot", "s0", "--repo", hub.repo, "--quiet"],
@@ -192,31 +250,6 @@ def test_offline_uses_what_is_there_and_names_what_is_missing(tmp_path, hub, rep
 
 
 # ------------------------------------------------------------------------------------------ peers
-class LoopThread:
-    """An asyncio loop in a thread, for daemons the CLI (which runs its own loops) talks to."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.t = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.t.start()
-
-    def run(self, coro, timeout=60):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self):
-        async def drain():  # cancel what the daemons left running (monitor, failover) before the loop stops
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in tasks:
-                t.cancel()
-            await asyncio.wait(tasks, timeout=5) if tasks else None
-        try:
-            self.run(drain(), timeout=10)
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.t.join(5)
-            self.loop.close()
-
-
 @pytest.fixture
 def full_dir(tmp_path, hub, repo):
     """A model directory with every file, fetched and recorded by `p2pk3 download`."""
@@ -227,27 +260,20 @@ def full_dir(tmp_path, hub, repo):
     return tmp_path / "full"
 
 
-def start_daemon(lt, topo_path, slot, model_dir):
-    from p2pk3.node.daemon import NodeDaemon
-    from p2pk3.node.options import NodeOptions
+def peer_ring(topo_path):
+    """The daemons of these tests (started by `ring.call(ring.start(slot, model_dir))`) in a thread's loop, as
+    the CLI under test runs loops of its own."""
     from p2pk3.topology import Topology
     topo = Topology.load(topo_path)
-
-    async def go():
-        d = NodeDaemon(topo, slot, model_dir=model_dir, secret=topo.secret(),
-                       options=NodeOptions(host="127.0.0.1", claim_wait=0.1, dead_after_s=30, heartbeat_s=5))
-        await d.start()
-        return d
-    return lt.run(go())
+    return ring_in_thread(topo, None, slots=(), secret=topo.secret(), host="127.0.0.1", claim_wait=0.1,
+                          dead_after_s=30, heartbeat_s=5)
 
 
 def test_from_peers_fetches_from_the_peer_not_the_hub(tmp_path, hub, repo, full_dir):
     t = write_topology(tmp_path / "ring", hosts=("127.0.0.1", "127.0.0.1"), layers=((0, 2), (3, 5)),
                        path=str(full_dir))
-    lt = LoopThread()
-    d = None
-    try:
-        d = start_daemon(lt, t, "s0", full_dir)
+    with peer_ring(t) as ring:
+        d = ring.call(ring.start("s0", full_dir))
         new = tmp_path / "new"
         r = run(["download", "--topology", str(t), "--slot", "s1", "--local-dir", str(new), "--repo", hub.repo,
                  "--from-peers", "--peer-rate", "50", "--quiet"], {"HF_ENDPOINT": hub.url})
@@ -261,10 +287,6 @@ def test_from_peers_fetches_from_the_peer_not_the_hub(tmp_path, hub, repo, full_
             assert m.files[n].source == f"peer:127.0.0.1:{port}" and sha(new / n) == sha(repo / n)
         assert f"{len(want)} file(s) from the hub" not in r.output and "from peers" in r.output
         assert d._file_server.bytes_sent >= sum((repo / n).stat().st_size for n in want)
-    finally:
-        if d is not None:
-            lt.run(d.stop("test over"))
-        lt.close()
 
 
 def Topology_port(t, sid):
@@ -284,10 +306,8 @@ def test_a_peer_serves_only_manifest_files(tmp_path, hub, repo, full_dir):
     m.record("evil.safetensors", sha(outside), "local")  # even listed, a link out of the directory is refused
     m.save()
     t = write_topology(tmp_path / "ring", hosts=("127.0.0.1",), layers=((0, 5),), path=str(full_dir))
-    lt = LoopThread()
-    d = None
-    try:
-        d = start_daemon(lt, t, "s0", full_dir)
+    with peer_ring(t) as ring:
+        d = ring.call(ring.start("s0", full_dir))
         shard = sorted(all_shards(repo))[0]
 
         async def ask(conn, **kw):
@@ -309,7 +329,7 @@ def test_a_peer_serves_only_manifest_files(tmp_path, hub, repo, full_dir):
                 conn.close()
             return out
 
-        out = lt.run(go())
+        out = ring.call(go())
         msg = {k: v.header.get("message") for k, v in out.items() if v.kind == "error"}
         assert msg["dotdot"] == ("file_get refused: '../outside.txt' is not a plain relative file name of the model "
                                  "directory (no '..', no absolute path)")
@@ -323,10 +343,6 @@ def test_a_peer_serves_only_manifest_files(tmp_path, hub, repo, full_dir):
         assert ok.kind == "file_chunk" and bytes(ok.buffer("data")) == (repo / shard).read_bytes()[8:108]
         assert "evil.safetensors" not in out["list"].header["files"] and shard in out["list"].header["files"]
         assert d.stopped.is_set() is False
-    finally:
-        if d is not None:
-            lt.run(d.stop("test over"))
-        lt.close()
 
 
 def test_standby_fetches_a_slots_shards_from_peers_before_taking_it_over(tmp_path, hub, repo, full_dir):
@@ -337,21 +353,14 @@ def test_standby_fetches_a_slots_shards_from_peers_before_taking_it_over(tmp_pat
              "--quiet"], {"HF_ENDPOINT": hub.url})
     assert r.exit_code == 0, r.output
     assert not list(spare_dir.glob("model-*.safetensors"))  # a spare holds no shards, only config/index/tokenizer
-    lt = LoopThread()
-    a = b = None
-    try:
-        a = start_daemon(lt, t, "s0", full_dir)
-        b = start_daemon(lt, t, "spare", spare_dir)
+    with peer_ring(t) as ring:
+        ring.call(ring.start("s0", full_dir))
+        b = ring.call(ring.start("spare", spare_dir))
         hub.log.clear()
-        route = lt.run(b.take_over("s1", None))
+        route = ring.call(b.take_over("s1", None))
         assert route.slot == "s1" and b.role == "stage"
         want = shards_for(repo, {3, 4, 5}, head=True)
         m = Manifest.load(spare_dir)
         assert {n for n in m.files if n.startswith("model-")} == want
         assert all(sha(spare_dir / n) == sha(repo / n) and m.files[n].source.startswith("peer:") for n in want)
         assert hub.log == []
-    finally:
-        for x in (b, a):
-            if x is not None:
-                lt.run(x.stop("test over"))
-        lt.close()

@@ -16,6 +16,8 @@ from p2pk3.node.client import RequestError
 from p2pk3.node.local import LocalRing, probe
 from p2pk3.params import SamplingParams
 
+pytestmark = pytest.mark.slow  # every case runs a 4-node ring of processes through a failure
+
 PROMPTS = [[(7 * i + 13 * j) % 500 + 3 for j in range(4 + 3 * i)] for i in range(8)]
 LENGTHS = [60, 44, 52, 36, 48, 40, 56, 30]
 DEADLINE = 180  # nothing in a case may take longer

@@ -336,6 +336,7 @@ def test_formats_off_is_bit_identical(ckpt):
         assert torch.equal(_logits(st, TOKS), base)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
 def test_converted_stage_equals_dequantized_oracle(ckpt, fmt):
     """Every chosen class is converted; the logits equal a stage whose nn.Linear weights were replaced by the
@@ -403,6 +404,7 @@ def test_mxlinear_weight_and_leading_dims(seed):
 
 
 # ------------------------------------------------------------------------------------------ quality
+@pytest.mark.slow
 @pytest.mark.skipif(not (MODEL / "heldout_eval.json").exists(), reason="shipped model not present")
 def test_shipped_model_perplexity_with_formats():
     """The held-out slice shipped with the model (tests/test_shipped_model.py), scored as shipped and with
@@ -462,6 +464,7 @@ for act in ("bf16", "fp32"):
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cap", [90, 120])
 def test_offline_compile_mx_linear(cap):
     """The compiled (non-interpreter) kernel builds for sm_90 (H200) and sm_120 (RTX 5090); with bf16

@@ -43,6 +43,7 @@ def _tool():
 
 
 # ------------------------------------------------------------------------------------- in-process
+@pytest.mark.slow
 @FAST(800)
 @given(st.binary(max_size=3000), st.booleans(), st.integers(1, 64))
 def test_decoder_takes_any_bytes(data, authenticated, step):
@@ -80,6 +81,7 @@ _values = st.recursive(_scalars, lambda c: st.lists(c, max_size=5) | st.dictiona
                        max_leaves=12)
 
 
+@pytest.mark.slow
 @FAST(400)
 @given(st.sampled_from(fuzzing.DAEMON_KINDS + ("hello", "pong")), st.dictionaries(_keys, _values, max_size=8))
 def test_structured_headers_reach_every_parser(kind, fields):  # noqa: D103
@@ -89,6 +91,7 @@ def test_structured_headers_reach_every_parser(kind, fields):  # noqa: D103
     fuzzing.judge(data, TARGET)
 
 
+@pytest.mark.slow
 @FAST(300)
 @given(st.dictionaries(st.sampled_from(["temperature", "top_k", "top_p", "seed", "max_tokens", "stop_ids", "x"]),
                        _values, max_size=6))
@@ -104,6 +107,7 @@ def test_sampling_params_from_wire(d):
         assert not (math.isfinite(p.temperature) and math.isfinite(p.top_p))
 
 
+@pytest.mark.slow
 @FAST(300)
 @given(st.integers(0, 2**64 - 1), st.sampled_from(["prefix", "no-tensors", "bad-header", "small-tensor"]))
 def test_rejected_lengths_allocate_nothing(plen, how):
@@ -228,6 +232,7 @@ def _ring_run(ckpt, frames, tmp_path, env=None, seed=0, on_baseline=None):
         raise
 
 
+@pytest.mark.slow
 def test_live_ring_survives_hostile_frames(ckpt, tmp_path):
     """3,000 frames, half from an authenticated peer, half before the handshake, against a 2-node ring of
     daemon processes while 2 greedy sessions generate: no crash, the sessions' tokens equal the reference,
@@ -275,6 +280,7 @@ _d.NodeDaemon._handle = _planted
 '''
 
 
+@pytest.mark.slow
 def test_live_harness_catches_a_planted_crash_and_leak(ckpt, tmp_path):
     """Quality bar for the live part: daemons patched (sitecustomize, armed after the RSS baseline) to leak
     1 MiB per fuzzer connection (s0) and to die at the 20th (s1) are reported: a crash and RSS growth."""

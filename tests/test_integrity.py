@@ -79,6 +79,7 @@ def test_check_slot_checks_exactly_the_slots_shards(tmp_path):
     assert check_slot(d, TINY_K3, topo.slot_plan("a", TINY_K3)) is None  # no manifest: nothing to check
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["corrupt", "truncated"])
 def test_node_on_a_bad_shard_exits_1_naming_the_file(tmp_path, fault):
     d = make_dir(tmp_path / "m")

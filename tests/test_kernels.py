@@ -87,6 +87,7 @@ def run_moe(args, activation, mode):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,activation,zdtype", [
     ("dot_scaled", "situ", torch.float32), ("dot_scaled", "silu", torch.bfloat16),
     ("dequant", "situ", torch.bfloat16), ("dequant", "silu", torch.float32), ("dequant_f16", "situ", torch.float32),
@@ -101,6 +102,7 @@ def test_mxfp4_moe(mode, activation, zdtype, seed):
     assert rel(out, ref) <= bound, f"rel err {rel(out, ref):.3g} (seed={seed}, N={N})"
 
 
+@pytest.mark.slow
 def test_mxfp4_moe_prefill_blocks(seed):
     """Many rows per expert: BLOCK_M = 64 path, experts split over several M-blocks, odd token count."""
     args = moe_case(67, 64, 32, 3, 3, torch.bfloat16, p_skip=0.1)
@@ -151,6 +153,7 @@ def moe_w4a8_emulated(z, w1, s1, w3, s3, w2, s2, ids, tw, activation):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("activation", ["situ"])
 def test_mxfp4_moe_w4a8(activation, seed):
     args = moe_case(5, 96, 64, 6, 3, torch.bfloat16)
@@ -215,6 +218,7 @@ def kda_inputs(T, H, K, V, dtype):
     return q, k, v, a, b, A_log, dt_bias
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lower_bound,dtype,K,V", [
     (-5.0, torch.float32, 24, 80), (None, torch.bfloat16, 24, 80),
     (-5.0, torch.bfloat16, 128, 128), (None, torch.float32, 128, 128)])
@@ -235,6 +239,7 @@ def test_kda_decode(lower_bound, dtype, K, V, seed):
     assert torch.equal(st_t[untouched.to(DEVICE)], state[untouched.to(DEVICE)]), f"seed={seed}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kda_prefill(lower_bound, dtype, seed):
@@ -254,6 +259,7 @@ def test_kda_prefill(lower_bound, dtype, seed):
     assert rel(st_t, st_r) <= 1e-4, f"state rel err {rel(st_t, st_r):.3g} (seed={seed}, lens={lens})"
 
 
+@pytest.mark.slow
 def test_kda_decode_matches_fla(seed):
     """Cross-check against fla's fused_recurrent_kda (pool + row indices, gate / sigmoid / l2norm in kernel)."""
     try:
@@ -280,6 +286,7 @@ def test_kda_decode_matches_fla(seed):
 # ----------------------------------------------------------------------------------------------------------------
 # MLA decode
 # ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,num_splits", [
     (torch.float32, None), (torch.bfloat16, None), (torch.float32, 3), (torch.bfloat16, 1)])
 def test_mla_decode(dtype, num_splits, seed):
@@ -301,6 +308,7 @@ def test_mla_decode(dtype, num_splits, seed):
     assert rel(out, ref) <= tol, f"rel err {rel(out, ref):.3g} (seed={seed}, seq_lens={seq_lens.tolist()})"
 
 
+@pytest.mark.slow
 def test_mla_decode_k3_width_and_empty(seed):
     """K3's 512 + 64 row width; a zero-length sequence gives z = 0."""
     B, H, R, P, bs, NB = 2, 16, 512, 64, 32, 4
@@ -469,6 +477,7 @@ def compiled():
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cap", [90, 120])
 @pytest.mark.parametrize("name", ["moe_gate_up_dot_scaled", "moe_combine", "kda_decode", "kda_prefill", "mla_split",
                                   "mla_reduce", "attnres"])
@@ -477,6 +486,7 @@ def test_offline_compile(compiled, name, cap):
     assert r["ok"], f"{name} failed to compile for sm_{cap}: {r.get('err')}"
 
 
+@pytest.mark.slow
 def test_offline_compile_sm90_dequant(compiled):
     for name in ("moe_gate_up_dequant", "moe_down_dequant", "moe_down_dequant_f16"):
         r = compiled[(name, 90)]
@@ -484,6 +494,7 @@ def test_offline_compile_sm90_dequant(compiled):
         assert r["mma"], f"{name}: no tensor-core MMA in the sm_90 PTX"
 
 
+@pytest.mark.slow
 def test_offline_compile_sm120_w4a8_native_mx(compiled):
     for name in ("moe_gate_up_w4a8", "moe_down_w4a8"):
         r = compiled[(name, 120)]

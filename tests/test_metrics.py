@@ -33,6 +33,7 @@ def ring():
         yield r
 
 
+@pytest.mark.slow
 def test_counters_move_with_a_request(ring):
     before = scrape(ring.metrics_port)
     assert before["p2pk3_tokens_total"] == 0 and before["p2pk3_batch_seconds_count"] == 0

@@ -248,6 +248,7 @@ def test_router_selects_with_bias_but_weighs_without():
     assert torch.allclose(w[0], expect)
 
 
+@pytest.mark.slow
 def test_kda_matches_fla_naive():
     from fla.ops.kda.gate import naive_kda_lowerbound_gate
     from fla.ops.kda.naive import naive_chunk_kda, naive_recurrent_kda

@@ -24,6 +24,7 @@ def _score(model, path, out, incremental, env_extra):
     return np.load(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("incremental", [False, True], ids=["prefill", "decode"])
 def test_whole_model_through_triton_kernels_matches_torch(tmp_path, incremental):
     write_checkpoint(tmp_path / "m", TINY_K3, seed=3, shards=2)

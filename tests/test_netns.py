@@ -65,6 +65,7 @@ BEACON = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_namespaces_tcp_and_beacons():
     with NetnsLab(3) as lab:
         # TCP (an authenticated p2pk3 connection) from namespace 0 to namespace 1

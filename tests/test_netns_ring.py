@@ -17,6 +17,8 @@ from p2pk3.topology import even_split
 
 from netns import NetnsLab, require_netns  # tests/ is on sys.path (pytest rootdir-relative import)
 
+pytestmark = pytest.mark.slow  # rings of processes across network namespaces
+
 PROMPTS = [[5, 17, 300, 42, 42, 7], [99, 123, 4], [250, 260, 270, 280, 14, 15, 16, 8, 9]]
 PORT = 7411
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import secrets
 import subprocess
 import sys
 
@@ -15,14 +14,12 @@ from p2pk3.engine.reference import Pipeline
 from p2pk3.engine.sampling import SamplingParams
 from p2pk3.model.config import KIMI_K3, TINY_K3
 from p2pk3.model.weights import all_tensors
-from p2pk3.node.daemon import NodeDaemon
 from p2pk3.node.local import free_ports
-from p2pk3.node.options import NodeOptions
-from p2pk3.node.client import Client, RequestError
 from p2pk3.plan import Card, NodesError, PlanError, memory_table, parse_nodes, plan_ring
 from p2pk3.quant.formats import parse_formats
 from p2pk3.plan.memory import stage_traffic
 from p2pk3.topology import GiB, MemorySpec, Topology, estimate_slot_bytes
+from ring_helpers import InProcessRing
 
 # ring order as listed: the fast cards at both ends hold the indivisible heavy pieces (dense layer 0 + embedding,
 # lm_head); the slow ones in the middle must get less to read
@@ -80,6 +77,7 @@ def _rest(cfg, topo, sid):
     return sum(h * one * k / e for h, one, e, k in tr.experts) + tr.kda_state + tr.mla_per_ctx_token * 32768
 
 
+@pytest.mark.slow
 def test_a_model_that_does_not_fit_is_refused_with_the_shortfall_and_what_would_fit():
     cards = [Card(f"g{i}", "rtx5090", 31.5, 1792) for i in range(40)]
     with pytest.raises(PlanError) as e:
@@ -149,31 +147,15 @@ def test_planned_topology_for_unequal_cards_runs_on_daemons_with_reference_outpu
     toks = [5, 17, 300, 42, 42, 7, 99, 123, 511, 0, 1, 2]
     want = ref.score(toks).numpy()
     want_gen = ref.generate([toks[:5]], SamplingParams(max_tokens=6))[0]
-    secret = secrets.token_bytes(32)
 
     async def go():
-        ds = []
-        try:
-            for s in topo.active:
-                d = NodeDaemon(topo, s.id, model_dir=ckpt, secret=secret, options=NodeOptions(prefill_chunk=8))
-                await d.start()
-                ds.append(d)
-            c = await Client.connect("127.0.0.1", ds[0].port, secret)
-            deadline = asyncio.get_running_loop().time() + 30
-            while True:  # the entry's failure detector may not have seen the later slots come up yet
-                try:
-                    a = await c.generate(toks, SamplingParams(max_tokens=0), logits=True)
-                    break
-                except RequestError as e:
-                    if e.code != "unavailable" or asyncio.get_running_loop().time() > deadline:
-                        raise
-                    await asyncio.sleep(0.5)
+        async with InProcessRing(topo, ckpt, prefill_chunk=8) as ring:
+            await ring.wait_healthy(30)  # the entry's failure detector has seen the later slots come up
+            c = await ring.client()
+            a = await c.generate(toks, SamplingParams(max_tokens=0), logits=True)
             g = await c.generate(toks[:5], SamplingParams(max_tokens=6))
             c.close()
             return a.logits, g.tokens
-        finally:
-            for d in ds:
-                await d.stop()
 
     logits, gen = asyncio.run(asyncio.wait_for(go(), 240))
     assert np.abs(logits - want).max() <= 1e-4
@@ -184,6 +166,7 @@ def _cli(*args, timeout=120):
     return subprocess.run([sys.executable, "-m", "p2pk3.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_cli_plan_refusal_is_one_line_and_topology_check_names_every_problem(tmp_path):
     nodes = tmp_path / "NODES.toml"
     nodes.write_text('[[nodes]]\nname = "rtx5090"\ncount = 20\ngpu = "rtx5090"\n')

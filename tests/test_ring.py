@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import secrets
 import subprocess
 import sys
 import time
@@ -18,14 +17,13 @@ from p2pk3.engine.reference import Pipeline
 from p2pk3.engine.sampling import SamplingParams
 from p2pk3.model.config import TINY_K3
 from p2pk3.node.client import Client, RequestError
-from p2pk3.node.daemon import NodeDaemon
 from p2pk3.node.local import free_ports
-from p2pk3.topology import Topology, even_split
+from p2pk3.topology import Topology
 from p2pk3.transport.connection import AuthenticationError, open_connection
-from p2pk3.node.options import NodeOptions
 from p2pk3.transport.codec import Frame
 from p2pk3.transport.messages import Segment, forward_frame
 from conftest import run as _run  # the one deadline-guarded runner
+from ring_helpers import InProcessRing, loopback_topology
 
 TOKS = [5, 17, 300, 42, 42, 7, 99, 123, 511, 0, 1, 2, 3, 250, 260, 270, 280, 14, 15]
 
@@ -33,14 +31,6 @@ TOKS = [5, 17, 300, 42, 42, 7, 99, 123, 511, 0, 1, 2, 3, 250, 260, 270, 280, 14,
 @pytest.fixture(scope="module")
 def reference(ckpt):
     return Pipeline.load(ckpt, 1, max_sessions=16, max_tokens=4096, block_size=8)
-
-
-def topo_even(ckpt, n):
-    ports = free_ports(n)
-    t = even_split(TINY_K3, n, host="127.0.0.1", base_port=ports[0], model_path=str(ckpt))
-    for s, p in zip(t.slots, ports):
-        s.port = p
-    return t
 
 
 def topo_split(ckpt):
@@ -56,48 +46,18 @@ def topo_split(ckpt):
     return Topology.from_dict(d)
 
 
-class Ring:
-    def __init__(self, topo, ckpt, **kw):
-        self.topo, self.ckpt, self.kw = topo, ckpt, kw
-        self.secret = secrets.token_bytes(32)
-        self.daemons = []
-
-    async def __aenter__(self):
-        try:
-            for s in self.topo.active:
-                d = NodeDaemon(self.topo, s.id, model_dir=self.ckpt, secret=self.secret,
-                               options=NodeOptions(**self.kw))
-                await d.start()
-                self.daemons.append(d)
-        except BaseException:  # a daemon that fails to start: the ones already up are stopped too
-            await self.__aexit__()
-            raise
-        return self
-
-    async def __aexit__(self, *exc):
-        for d in self.daemons:
-            await d.stop()
-
-    @property
-    def entry(self):
-        return self.daemons[0]
-
-    async def client(self, secret=None):
-        return await Client.connect("127.0.0.1", self.entry.port, secret or self.secret)
-
-
 def run(coro):
     return _run(coro, 240.0)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, "split"])
 def test_ring_logits_equal_single_process(ckpt, reference, n):
-    topo = topo_split(ckpt) if n == "split" else topo_even(ckpt, n)
+    topo = topo_split(ckpt) if n == "split" else loopback_topology(ckpt, n)
     want_prefill = reference.score(TOKS).numpy()
     want_decode = reference.score(TOKS[:8], incremental=True).numpy()
 
     async def go():
-        async with Ring(topo, ckpt) as ring:
+        async with InProcessRing(topo, ckpt) as ring:
             c = await ring.client()
             a = await c.generate(TOKS, SamplingParams(max_tokens=0), logits=True)
             b = await c.generate(TOKS[:8], SamplingParams(max_tokens=0), logits=True, incremental=True)
@@ -110,16 +70,17 @@ def test_ring_logits_equal_single_process(ckpt, reference, n):
     assert np.abs(got_decode - want_decode).max() <= 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, "split"])
 def test_concurrent_greedy_sessions_match_single_process(ckpt, reference, n):
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(2, 40))] for _ in range(8)]
     lens = [rng.randrange(3, 12) for _ in range(8)]
     want = [reference.generate([p], SamplingParams(max_tokens=m))[0] for p, m in zip(prompts, lens)]
-    topo = topo_split(ckpt) if n == "split" else topo_even(ckpt, n)
+    topo = topo_split(ckpt) if n == "split" else loopback_topology(ckpt, n)
 
     async def go():
-        async with Ring(topo, ckpt, prefill_chunk=8) as ring:
+        async with InProcessRing(topo, ckpt, prefill_chunk=8) as ring:
             async def one(i):
                 await asyncio.sleep(0.05 * i)  # started at different times
                 c = await ring.client()
@@ -143,7 +104,7 @@ def test_seeded_sampling_through_ring_matches_local(ckpt, reference):
     want = reference.generate([TOKS[:6]], p)[0]
 
     async def go():
-        async with Ring(topo_even(ckpt, 2), ckpt) as ring:
+        async with InProcessRing(loopback_topology(ckpt, 2), ckpt) as ring:
             c = await ring.client()
             r = await c.generate(TOKS[:6], p)
             c.close()
@@ -156,7 +117,7 @@ def test_wrong_secret_bad_frames_and_unknown_session_leave_the_ring_serving(ckpt
     want = reference.generate([TOKS[:5]], SamplingParams(max_tokens=4))[0]
 
     async def go():
-        async with Ring(topo_even(ckpt, 2), ckpt) as ring:
+        async with InProcessRing(loopback_topology(ckpt, 2), ckpt) as ring:
             c = await ring.client()
             task = asyncio.create_task(c.generate(TOKS[:5], SamplingParams(max_tokens=4)))
             # 1. wrong secret: refused at the handshake
@@ -214,7 +175,7 @@ def test_wrong_secret_bad_frames_and_unknown_session_leave_the_ring_serving(ckpt
 
 def test_busy_when_sessions_run_out(ckpt):
     async def go():
-        async with Ring(topo_even(ckpt, 2), ckpt, max_sessions=2) as ring:
+        async with InProcessRing(loopback_topology(ckpt, 2), ckpt, max_sessions=2) as ring:
             cs = [await ring.client() for _ in range(3)]
             long = [asyncio.create_task(cs[i].generate(TOKS, SamplingParams(max_tokens=30))) for i in range(2)]
             await asyncio.sleep(0.05)
@@ -231,7 +192,7 @@ def test_busy_when_sessions_run_out(ckpt):
 
 def test_bad_request_is_answered_clearly(ckpt):
     async def go():
-        async with Ring(topo_even(ckpt, 1), ckpt) as ring:
+        async with InProcessRing(loopback_topology(ckpt, 1), ckpt) as ring:
             c = await ring.client()
             with pytest.raises(RequestError, match="bad_request: prompt must be"):
                 await c.generate([TINY_K3.vocab_size + 5], SamplingParams(max_tokens=2))
@@ -242,6 +203,7 @@ def test_bad_request_is_answered_clearly(ckpt):
     assert len(run(go())) == 2
 
 
+@pytest.mark.slow
 def test_cli_score_through_local_ring_processes(ckpt, reference, tmp_path):
     toks = ",".join(map(str, TOKS[:10]))
     out = subprocess.run([sys.executable, "-m", "p2pk3.cli", "score", "--model", str(ckpt), "--tokens", toks,
@@ -258,11 +220,9 @@ def test_second_claimant_of_a_slot_is_refused(ckpt):
     from p2pk3.node.claims import ClaimRefused
 
     async def go():
-        async with Ring(topo_even(ckpt, 2), ckpt) as ring:
-            intruder = NodeDaemon(ring.topo, "s1", model_dir=ckpt, secret=ring.secret,
-                                  options=NodeOptions(port=0, node_id="second-s1"))
+        async with InProcessRing(loopback_topology(ckpt, 2), ckpt) as ring:
             with pytest.raises(ClaimRefused, match=r"slot s1 is held by node .*epoch 1"):
-                await intruder.start()
+                await ring.start("s1", port=0, node_id="second-s1")
             # the ring still works
             c = await ring.client()
             r = await c.generate(TOKS[:4], SamplingParams(max_tokens=3))
@@ -273,7 +233,7 @@ def test_second_claimant_of_a_slot_is_refused(ckpt):
 
 
 def test_standby_node_joins_and_holds_nothing(ckpt):
-    topo = topo_even(ckpt, 2)
+    topo = loopback_topology(ckpt, 2)
     from p2pk3.topology import Slot
 
     port = free_ports(1)[0]
@@ -281,24 +241,21 @@ def test_standby_node_joins_and_holds_nothing(ckpt):
     topo = Topology.from_dict(topo.to_dict())
 
     async def go():
-        async with Ring(topo, ckpt) as ring:
-            spare = NodeDaemon(ring.topo, "spare0", model_dir=ckpt, secret=ring.secret)
-            await spare.start()
-            try:
-                c = await Client.connect("127.0.0.1", port, ring.secret)
-                st = await c.status()
-                c.close()
-                assert spare.runner is None and st["standby"] is True and st["epoch"] == 1
-                c = await ring.client()
-                r = await c.generate(TOKS[:4], SamplingParams(max_tokens=3))
-                c.close()
-                return r.tokens
-            finally:
-                await spare.stop()
+        async with InProcessRing(topo, ckpt) as ring:
+            spare = await ring.start("spare0")
+            c = await Client.connect("127.0.0.1", port, ring.secret)
+            st = await c.status()
+            c.close()
+            assert spare.runner is None and st["standby"] is True and st["epoch"] == 1
+            c = await ring.client()
+            r = await c.generate(TOKS[:4], SamplingParams(max_tokens=3))
+            c.close()
+            return r.tokens
 
     assert len(run(go())) == 3
 
 
+@pytest.mark.slow
 def test_long_prompt_is_prefilled_in_chunks_without_stalling_running_decodes(ckpt):
     """A 240-token prompt arrives while another session decodes: with 8-token prefill chunks the running
     session keeps getting a token per round instead of waiting for the whole prefill."""
@@ -306,7 +263,7 @@ def test_long_prompt_is_prefilled_in_chunks_without_stalling_running_decodes(ckp
     long_prompt = [3 + (i * 7) % 500 for i in range(240)]
 
     async def go():
-        async with Ring(topo_even(ckpt, 2), ckpt, prefill_chunk=8) as ring:
+        async with InProcessRing(loopback_topology(ckpt, 2), ckpt, prefill_chunk=8) as ring:
             ca, cb = await ring.client(), await ring.client()
             first = asyncio.Event()
 
@@ -332,7 +289,7 @@ def test_state_a_stage_holds_for_no_live_session_is_freed(ckpt):
     """A session opened on a stage that the entry never knew (a hostile or stale forward at position 0)
     is freed by the entry's periodic `retain`; live sessions are kept."""
     async def go():
-        async with Ring(topo_even(ckpt, 2), ckpt, retain_every_s=0.5) as ring:
+        async with InProcessRing(loopback_topology(ckpt, 2), ckpt, retain_every_s=0.5) as ring:
             s1 = ring.daemons[1]
             peer = await open_connection("127.0.0.1", s1.port, ring.secret, "peer")
             D = TINY_K3.hidden_size

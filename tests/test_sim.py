@@ -169,6 +169,7 @@ def test_default_profile_has_a_source_for_every_assumption():
     assert hw.get("gpus.rtx3090.memory_bandwidth_gbs") == 936
 
 
+@pytest.mark.slow
 def test_cli_simulate_json_and_errors(tmp_path):
     topo = tmp_path / "t.toml"
     even_split(TINY_K3, 2, preset="tiny-k3").dump(topo)

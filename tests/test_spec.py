@@ -25,6 +25,7 @@ from p2pk3.spec.proposers import NgramProposer, SuffixIndex, SuffixProposer
 from p2pk3.spec.verify import verify_draft
 from p2pk3.transport.codec import ProtocolError
 from p2pk3.transport.messages import Result, Segment
+from ring_helpers import InProcessRing, loopback_topology
 
 EMBEDDED = default_model_dir()
 
@@ -283,6 +284,7 @@ def test_stage_runner_rolls_back_when_a_segment_starts_below_the_held_length(ckp
 
 
 # ------------------------------------------------------------------------------------------ one process
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["emb", "tiny"])
 def test_pipeline_greedy_speculation_equals_plain_for_every_k(which, request):
     pipe = request.getfixturevalue(which)
@@ -313,6 +315,7 @@ def test_pipeline_greedy_speculation_equals_plain_for_every_k(which, request):
     assert got == want_stop
 
 
+@pytest.mark.slow
 def test_pipeline_seeded_sampling_with_speculation_equals_without(tiny):
     prompts = rand_prompts(3, seed=9)
     p = SamplingParams(temperature=1.1, top_p=0.95, seed=77, max_tokens=20)
@@ -363,31 +366,15 @@ def test_entry_truncates_an_accepted_run_at_max_tokens_and_stop_ids():
 
 # ------------------------------------------------------------------------------------------ the ring
 def _ring(model_dir, n=4, **kw):
-    from test_ring import Ring
-    from p2pk3.node.local import free_ports
-    from p2pk3.topology import even_split
-    cfg = K3Config.from_pretrained(model_dir)
-    ports = free_ports(n)
-    t = even_split(cfg, n, host="127.0.0.1", base_port=ports[0], model_path=str(model_dir))
-    for s, port in zip(t.slots, ports):
-        s.port = port
-    return Ring(t, model_dir, **kw)
+    return InProcessRing(loopback_topology(model_dir, n), model_dir, **kw)
 
 
 def _run(coro):
     return asyncio.run(asyncio.wait_for(coro, 400))
 
 
-async def _healthy(ring, timeout=60):
-    """Until the entry's failure detector has seen every slot up (slow-loading stages)."""
-    t = asyncio.get_running_loop().time() + timeout
-    while ring.entry.coordinator.health() is not None:
-        assert asyncio.get_running_loop().time() < t, ring.entry.coordinator.health()
-        await asyncio.sleep(0.1)
-
-
 async def _gen_all(ring, prompts, params, delay=0.03, on_token=None):
-    await _healthy(ring)
+    await ring.wait_healthy()
     async def one(i):
         await asyncio.sleep(delay * i)
         c = await ring.client()
@@ -406,6 +393,7 @@ async def _settled(ring):
     return False
 
 
+@pytest.mark.slow
 def test_ring_greedy_speculation_equals_plain_embedded(emb):
     prompts = emb_prompts()
     want = emb.generate(prompts, SamplingParams(max_tokens=20))
@@ -441,6 +429,7 @@ def test_ring_greedy_speculation_equals_plain_embedded(emb):
     assert settled, "sessions (and their checkpoints) must be freed on every stage"
 
 
+@pytest.mark.slow
 def test_ring_every_k_mixed_batches_and_seeded_sampling_tiny(tiny, ckpt):
     prompts = rand_prompts(8, seed=5)
     want = tiny.generate(prompts, SamplingParams(max_tokens=16))
@@ -473,6 +462,7 @@ def test_ring_every_k_mixed_batches_and_seeded_sampling_tiny(tiny, ckpt):
     assert settled
 
 
+@pytest.mark.slow
 def test_ring_replay_and_cancel_mid_verification(tiny, ckpt):
     """A replay (new epoch from position 0) while verify passes are in flight, and a cancelled speculating
     session: outputs stay those of plain decoding, nothing is left on any stage."""
@@ -497,7 +487,7 @@ def test_ring_replay_and_cancel_mid_verification(tiny, ckpt):
                 return f
 
             ps = [SamplingParams(max_tokens=30, speculate="ngram", draft_tokens=4)] * 4
-            await _healthy(ring)
+            await ring.wait_healthy()
             victim_client = await ring.client()
             victim = asyncio.create_task(victim_client.generate(prompts[3], SamplingParams(
                 max_tokens=200, speculate="ngram", draft_tokens=6)))

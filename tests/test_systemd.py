@@ -89,6 +89,7 @@ def _env_file(p: Path) -> dict[str, str]:
     return dict(l.split("=", 1) for l in p.read_text().splitlines() if l and not l.startswith("#"))
 
 
+@pytest.mark.slow
 def test_the_node_units_exec_start_runs_and_stops_on_sigterm(rack, tmp_path):
     t, out, _ = rack
     env = _env_file(out / "env" / "s0.env")

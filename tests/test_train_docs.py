@@ -7,6 +7,7 @@ import json
 import random
 from pathlib import Path
 
+import pytest
 import torch
 
 from tools import doc_corpus
@@ -57,6 +58,7 @@ def test_chat_example_masks_exactly_the_answer(tmp_path):
     assert answers == 40  # every example packed whole, none cut across rows
 
 
+@pytest.mark.slow
 def test_resumed_run_equals_an_uninterrupted_one(tmp_path):
     cache = synthetic_corpus(tmp_path)
     assert td.main(ARGS + ["--run", str(tmp_path / "a"), "--corpus", str(cache)]) == 0

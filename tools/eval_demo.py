@@ -37,7 +37,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tools import doc_corpus  # noqa: E402
-from tools.train_tiny import greedy, load_shipped, ring_eval, write_eval_slice  # noqa: E402
+from tools.trainlib.evaluate import forward_batch, greedy, load_shipped, ring_eval, write_eval_slice  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 OLD = ROOT / "p2pk3" / "assets" / "tiny-k3-pydoc"
@@ -69,8 +69,6 @@ def eval_stream(tok, docs: dict[str, str]) -> list[int]:
 
 @torch.no_grad()
 def score(stage, ids: list[int], T: int, blen: torch.Tensor, max_windows: int | None = None, batch: int = 8) -> dict:
-    from tools.train_tiny import forward_batch
-
     stage.eval()
     n_win = (len(ids) - 1) // T
     if max_windows is not None:

@@ -2,7 +2,7 @@
 tables of docs/quality.md ("Weight formats of the non-expert matrices").
 
 1. The embedded model (p2pk3/assets/tiny-k3-pydoc): held-out perplexity measured exactly as docs/quality.md
-   does (tools/train_tiny.py: the 7 hash-held-out pydoc topics, paragraph-deduplicated, `[BOS] text [EOS]` per
+   does (tools/trainlib/pydoc_topics.py: the 7 hash-held-out pydoc topics, paragraph-deduplicated, `[BOS] text [EOS]` per
    topic, non-overlapping 128-token windows with fresh context, fp32 compute), the checkpoint loaded through
    `load_stage` with `formats=...` (the loader's conversion, the model's MXLinear path).
 2. Random K3-shaped matrices (the KIMI_K3 preset): relative output error ||y_fmt - y|| / ||y|| of one
@@ -73,7 +73,8 @@ def tiny_perplexities(model_dir: Path, configs, T: int = 128) -> list[dict]:
     from p2pk3.model.config import K3Config
     from p2pk3.model.stage import StagePlan
     from p2pk3.tokenizer import load_tokenizer
-    from tools.train_tiny import encode_documents, nll_windows, split_topics
+    from tools.trainlib.evaluate import nll_windows
+    from tools.trainlib.pydoc_topics import encode_documents, split_topics
 
     cfg = K3Config.from_pretrained(model_dir)
     tok = load_tokenizer(model_dir)

@@ -5,7 +5,7 @@
     python -m tools.train_docs --run runs/k3-docs --finish --export p2pk3/assets/k3-docs --ring 4
 
 The sibling of tools/train_tiny.py (the 135 K-token pydoc model): the same model code, initialisation,
-MXFP4 QAT experts, router balancing and export (imported from there), on ~20x more text and in two phases.
+MXFP4 QAT experts, router balancing and export (the training library tools/trainlib/), on ~20x more text and in two phases.
 
 Data (tools/doc_corpus/): the reStructuredText sources of the Python 3.11 documentation (Debian
 `python3.11-doc`) stripped to prose and code blocks, and the `manpages` / `manpages-dev` pages rendered with
@@ -46,8 +46,11 @@ from p2pk3.model.config import K3Config  # noqa: E402
 from p2pk3.model.stage import K3Stage, StagePlan  # noqa: E402
 from p2pk3_kernels import kda_ref  # noqa: E402
 from tools import doc_corpus  # noqa: E402
-from tools.train_tiny import (RouterTap, canonical_state_dict, export, forward_batch, imbalance,  # noqa: E402
-                              init_stage, log, moe_layers, qb_update, tiny_config)
+from tools.trainlib.balance import RouterTap, imbalance, qb_update  # noqa: E402
+from tools.trainlib.evaluate import forward_batch  # noqa: E402
+from tools.trainlib.export import export  # noqa: E402
+from tools.trainlib.model import canonical_state_dict, init_stage, moe_layers, tiny_config  # noqa: E402
+from tools.trainlib.runlog import log  # noqa: E402
 
 TRAIN_CHUNK = 16
 SYSTEM_PROMPT = "You are a helpful assistant that knows the Python documentation and the Linux manual pages."
