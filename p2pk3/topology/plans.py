@@ -2,7 +2,7 @@
 
 There is one way to compute it, `slot_plan(cfg, ring, slot)`, from the ring's active slots as they are
 at the time of the call (nothing is cached, so a slot added to or moved in `Topology.slots` later gets
-the plan of where it is now). The model's own `p2pk3.model.kimi_k3.StagePlan` is what a slot's plan is
+the plan of where it is now). The model's own `p2pk3.model.stage.StagePlan` is what a slot's plan is
 turned into to build the torch stage (`p2pk3.node.stage_runner.model_plan`).
 """
 from __future__ import annotations
