@@ -77,9 +77,10 @@ def test_planned_formats_reach_the_nodes_and_their_memory_is_the_table(ckpt):
     assert topo.model.formats == p.topology.model.formats
     assert any(s.experts for s in topo.active)  # a split layer: one slot does not finish it
     secret = secrets.token_bytes(32)
-    # the daemons hold what the plan sized: bf16 activations and caches, the topology's [memory]
-    opts = NodeOptions(dtype="bfloat16", max_sessions=mem.sessions, cache_tokens=mem.sessions * mem.context,
-                       prefill_chunk=8)
+    # the daemons hold what the plan sized: bf16 activations and caches; the cache sizes are not given, so
+    # they come from the topology's [memory] table as a node started with `p2pk3 node --topology` does
+    assert topo.memory.given and (topo.memory.sessions, topo.memory.context) == (mem.sessions, mem.context)
+    opts = NodeOptions(dtype="bfloat16", prefill_chunk=8)
 
     async def go():
         ds = []
@@ -108,3 +109,17 @@ def test_planned_formats_reach_the_nodes_and_their_memory_is_the_table(ckpt):
         assert status["memory"]["weights"] == table.weight_total, d.slot_id
         caches = {item: b for item, _, b in table.runtime if item in ("KDA state", "MLA latent cache")}
         assert status["memory"]["cache"] == sum(caches.values()), d.slot_id
+
+
+def test_node_cache_sizes_come_from_the_memory_table_only_where_the_file_has_one():
+    from p2pk3.node.options import DEFAULT_CACHE_TOKENS, DEFAULT_SESSIONS
+    bare = Topology.loads('[cluster]\nname = "t"\n[model]\npreset = "tiny-k3"\n[[slots]]\nid = "a"\n')
+    assert not bare.memory.given and "memory" not in bare.dump()
+    o = NodeOptions().sized_by(bare.memory)
+    assert (o.max_sessions, o.cache_tokens) == (DEFAULT_SESSIONS, DEFAULT_CACHE_TOKENS)
+    sized = Topology.loads(bare.dump() + "[memory]\nsessions = 3\ncontext = 1000\n")
+    assert sized.memory.given and "[memory]" in sized.dump()
+    o = NodeOptions().sized_by(sized.memory)
+    assert (o.max_sessions, o.cache_tokens) == (3, 3000)
+    o = NodeOptions(max_sessions=5, cache_tokens=640).sized_by(sized.memory)  # the node's flags win
+    assert (o.max_sessions, o.cache_tokens) == (5, 640)

@@ -24,9 +24,10 @@ def _stop_on_signals(stop):
 @click.option("--port", type=click.IntRange(0, 65535), default=None)
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
 @click.option("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-@click.option("--max-sessions", type=click.IntRange(min=1), default=32, show_default=True)
-@click.option("--cache-tokens", type=click.IntRange(min=64), default=32768, show_default=True,
-              help="MLA cache tokens over all sessions")
+@click.option("--max-sessions", type=click.IntRange(min=1), default=None,
+              help="sessions held at once  [default: the topology's [memory] sessions, else 32]")
+@click.option("--cache-tokens", type=click.IntRange(min=64), default=None,
+              help="MLA cache tokens over all sessions  [default: [memory] sessions x context, else 32768]")
 @click.option("--discovery/--no-discovery", default=True, show_default=True, help="UDP beacons on the LAN")
 @click.option("--advertise-host", default=None, help="address peers should dial (default: --host)")
 @click.option("--heartbeat", type=click.FloatRange(min=0.05), default=0.5, show_default=True,

@@ -62,7 +62,7 @@ class NodeDaemon:
         topo.slot(slot)  # KeyError for an unknown slot
         self.model_dir = Path(model_dir)
         self.secret = secret
-        self.opts = o = options or NodeOptions()
+        self.opts = o = (options or NodeOptions()).sized_by(topo.memory)
         self.host = o.host
         self.port = o.port if o.port is not None else (self.slot.port or 0)
         self.node_id = o.node_id or f"{slot}@{os.uname().nodename}:{os.getpid()}"

@@ -1,7 +1,10 @@
 """`NodeOptions`: every tunable of a daemon in one place (the CLI fills it from `p2pk3 node` flags)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+DEFAULT_SESSIONS = 32  # without a [memory] table in the topology
+DEFAULT_CACHE_TOKENS = 32768
 
 
 @dataclass
@@ -12,8 +15,10 @@ class NodeOptions:
     advertise_host: str | None = None  # the address peers dial (default: host)
     dtype: str = "float32"
     device: str = "cpu"
-    max_sessions: int = 32  # sessions held at once (KDA state rows)
-    cache_tokens: int = 32768  # MLA cache tokens over all sessions
+    # sessions held at once (KDA state rows) and MLA cache tokens over all sessions; None: what the topology's
+    # [memory] table sized (sessions, sessions x context), else DEFAULT_SESSIONS / DEFAULT_CACHE_TOKENS
+    max_sessions: int | None = None
+    cache_tokens: int | None = None
     max_batch_tokens: int = 2048  # tokens in one stage batch
     prefill_chunk: int = 256  # the entry cuts prompts into chunks of at most this many tokens
     discovery: bool = False  # UDP beacons
@@ -28,3 +33,15 @@ class NodeOptions:
     retain_every_s: float = 30.0  # the entry tells the stages which sessions are alive (frees leftovers)
     # fault injection (tests; the hooks sit in the production receive paths)
     drop_beacons: bool = False
+
+    def sized_by(self, memory) -> "NodeOptions":
+        """These options with the cache sizes left unset taken from the topology's [memory] table (a
+        `topology.MemorySpec`; only where the file has the table: `memory.given`), so a node allocates what
+        the plan sized; the defaults otherwise."""
+        sessions = self.max_sessions
+        if sessions is None:
+            sessions = memory.sessions if memory.given else DEFAULT_SESSIONS
+        tokens = self.cache_tokens
+        if tokens is None:
+            tokens = sessions * memory.context if memory.given else DEFAULT_CACHE_TOKENS
+        return replace(self, max_sessions=sessions, cache_tokens=tokens)

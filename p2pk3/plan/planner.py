@@ -235,7 +235,7 @@ def plan_ring(cfg: K3Config, cards: list[Card], *, memory: MemorySpec | None = N
     topo = Topology(ClusterSpec(name, secret_file),
                     ModelSpec(path=model_path, repo=repo, preset=preset, formats=dict(formats)), slots,
                     MemorySpec(sessions=memory.sessions, context=memory.context, prefill_chunk=memory.prefill_chunk,
-                               overhead_gb=memory.overhead_gb))
+                               overhead_gb=memory.overhead_gb, given=True))  # nodes size their caches by it
     plan = Plan(topo, cards, formats=formats)
     bw_of = {c.id: b for c, b in zip(active, bws)}
     for s in topo.active:

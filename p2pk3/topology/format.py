@@ -68,8 +68,8 @@ def tables(cluster: ClusterSpec, model: ModelSpec, slots: list[Slot], memory: Me
     if model.formats:
         m["formats"] = dict(model.formats)
     out: dict[str, Any] = {"cluster": c, "model": m}
-    if memory != MemorySpec():
-        out["memory"] = {f.name: getattr(memory, f.name) for f in fields(MemorySpec)}
+    if memory.given or memory != MemorySpec():
+        out["memory"] = {f.name: getattr(memory, f.name) for f in fields(MemorySpec) if f.name != "given"}
     out["slots"] = [s.to_dict() for s in slots]
     return out
 
@@ -150,6 +150,7 @@ def _parse_memory(d: Mapping[str, Any], errs: list[str]) -> MemorySpec:
         context=_typed(mm, "context", (int,), "[memory]", errs, dm.context),
         prefill_chunk=_typed(mm, "prefill_chunk", (int,), "[memory]", errs, dm.prefill_chunk),
         overhead_gb=float(_typed(mm, "overhead_gb", (int, float), "[memory]", errs, dm.overhead_gb)),
+        given="memory" in d,
     )
     if min(memory.sessions, memory.context, memory.prefill_chunk) < 0 or memory.overhead_gb < 0:
         errs.append("[memory]: values must be non-negative")

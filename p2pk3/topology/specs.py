@@ -56,6 +56,8 @@ class MemorySpec:
     context: int = 32768  # tokens of MLA cache per session
     prefill_chunk: int = 2048  # tokens per forward (activation workspace, AttnRes bank)
     overhead_gb: float = 1.0  # CUDA context, allocator slack, kernels' scratch (GiB)
+    # whether the file has a [memory] table (not written back): only then do nodes size their caches by it
+    given: bool = field(default=False, compare=False)
 
 
 @dataclass(eq=False)
