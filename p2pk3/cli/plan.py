@@ -28,7 +28,10 @@ def load_config(model: str | None):
 
 @main.command("plan")
 @click.option("--model", default=None, help="preset (kimi-k3, tiny-k3, ...) or model directory; default: the embedded model")
-@click.option("--nodes", "nodes_file", required=True, type=click.Path(dir_okay=False), help="NODES.toml ([[nodes]] tables)")
+@click.option("--hosts", "hosts_file", type=click.Path(dir_okay=False),
+              help="NODES.toml: the hosts' cards as [[nodes]] tables (docs/rack.md)")
+@click.option("--nodes", "nodes_file", type=click.Path(dir_okay=False), hidden=True,
+              help="deprecated alias of --hosts (everywhere else --nodes is a count)")
 @click.option("--context", type=click.IntRange(min=1), default=32768, show_default=True, help="tokens of MLA cache per session")
 @click.option("--sessions", type=click.IntRange(min=1), default=8, show_default=True, help="concurrent sessions held")
 @click.option("--prefill-chunk", type=click.IntRange(min=1), default=2048, show_default=True)
@@ -39,12 +42,21 @@ def load_config(model: str | None):
 @click.option("--stage-overhead-us", type=click.FloatRange(min=0), default=80.0, show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="write the topology here (default: stdout)")
 @click.option("--tables/--no-tables", default=False, help="print every card's memory table")
-def plan_cmd(model, nodes_file, context, sessions, prefill_chunk, overhead_gb, formats, standby, name,
+def plan_cmd(model, hosts_file, nodes_file, context, sessions, prefill_chunk, overhead_gb, formats, standby, name,
              stage_overhead_us, out, tables):
     """A topology for a model over a list of hosts, balanced by predicted stage time."""
     from p2pk3.plan import load_nodes, plan_ring
     from p2pk3.quant.formats import parse_formats
     from p2pk3.topology import MemorySpec
+    if nodes_file is not None:
+        if hosts_file is not None:
+            raise UserError("give the hosts file once: --hosts FILE (--nodes FILE is its deprecated alias)")
+        click.echo("warning: `plan --nodes FILE` is deprecated (elsewhere --nodes is a count): use --hosts FILE",
+                   err=True)
+        hosts_file = nodes_file
+    if hosts_file is None:
+        raise click.UsageError("missing --hosts FILE (a NODES.toml of [[nodes]] tables; docs/rack.md)")
+    nodes_file = hosts_file
     check_writable(out, "--out")
     cfg, preset, path = load_config(model)
     fm = parse_formats(formats)
@@ -53,9 +65,10 @@ def plan_cmd(model, nodes_file, context, sessions, prefill_chunk, overhead_gb, f
                                                 overhead_gb=overhead_gb), formats=fm,
                   standby=standby, stage_overhead_us=stage_overhead_us, name=name, preset=preset, model_path=path)
     fdesc = ", ".join(f"{k}={v}" for k, v in p.formats.items()) or "as shipped"
+    pace = p.pace_line()
     comment = (f"Planned by `p2pk3 plan` from {Path(nodes_file).name}: {len(p.topology.active)} active + "
                f"{len(p.topology.standby)} standby; {sessions} sessions x {context} tokens, prefill chunk "
-               f"{prefill_chunk}; weight formats: {fdesc}.\nPace (slowest stage) {p.pace_ms:.3f} ms/token. "
+               f"{prefill_chunk}; weight formats: {fdesc}.\n{pace[0].upper()}{pace[1:]}.\n"
                f"Check it with `p2pk3 topology check FILE --model ...`.")
     text = p.topology.dump(out, comment=comment) if out else p.topology.dump(comment=comment)
     click.echo(p.summary(), err=bool(not out))
