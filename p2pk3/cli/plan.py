@@ -10,7 +10,7 @@ import click
 from . import main
 from .common import UserError, check_writable
 from .options import topology_option
-from .topo import topology
+from .topo import SECRET_FILE, secret_beside, topology
 
 FORMATS_HELP = ("weight formats per tensor class, e.g. 'non-experts=mxfp8' or 'attention=mxfp4,lm_head=bf16' "
                 "(classes attention, shared_experts, dense, lm_head, latent; formats bf16 = shipped, mxfp8, mxfp4)")
@@ -63,7 +63,8 @@ def plan_cmd(model, hosts_file, nodes_file, context, sessions, prefill_chunk, ov
     cards = load_nodes(nodes_file)
     p = plan_ring(cfg, cards, memory=MemorySpec(sessions=sessions, context=context, prefill_chunk=prefill_chunk,
                                                 overhead_gb=overhead_gb), formats=fm,
-                  standby=standby, stage_overhead_us=stage_overhead_us, name=name, preset=preset, model_path=path)
+                  standby=standby, stage_overhead_us=stage_overhead_us, name=name, preset=preset, model_path=path,
+                  secret_file=SECRET_FILE)
     fdesc = ", ".join(f"{k}={v}" for k, v in p.formats.items()) or "as shipped"
     pace = p.pace_line()
     comment = (f"Planned by `p2pk3 plan` from {Path(nodes_file).name}: {len(p.topology.active)} active + "
@@ -76,7 +77,7 @@ def plan_cmd(model, hosts_file, nodes_file, context, sessions, prefill_chunk, ov
         for s in p.topology.active:
             click.echo(p.tables[s.id].render(), err=bool(not out))
     if out:
-        click.echo(f"wrote {out}")
+        click.echo(secret_beside(out))
     else:
         click.echo(text)
 
@@ -104,6 +105,8 @@ def topology_check(path, model, formats, quiet):
     if formats:  # instead of the file's own
         topo.model.formats = parse_formats(formats)
     errors, warnings = topo.check(cfg)
+    if (secret := topo.secret_problem()) is not None:
+        errors.append(secret)
     if not errors and not quiet:
         for s in topo.active:
             click.echo(memory_table(cfg, topo.slot_plan(s, cfg), topo.memory, s.gpu_memory_gb,
@@ -141,6 +144,11 @@ def simulate_cmd(topology_path, hw_path, model, streams, formats, accept, spec_k
     from p2pk3.sim import load_profile, report, simulate_sweep
     from p2pk3.topology import Topology
     check_writable(plot, "--plot")
+    if plot:
+        try:
+            report.require_matplotlib()
+        except RuntimeError as e:
+            raise UserError(str(e)) from None
     topo = Topology.load(topology_path)
     cfg = load_config(model)[0] if model else topo.model_config()
     topo.validate(cfg)
