@@ -14,9 +14,17 @@ from click.testing import CliRunner
 
 from hub_standin import HubStandIn
 from p2pk3.cli import main
-from p2pk3.deploy.manifest import ASSETS, MANIFEST_FILE, Manifest, directory_files, sha256_file
+import p2pk3
+from p2pk3.deploy.manifest import MANIFEST_FILE, Manifest, sha256_file
 
+ASSETS = Path(p2pk3.__file__).resolve().parent / "assets"
 EMBEDDED = sorted(p for p in ASSETS.iterdir() if (p / "config.json").is_file())
+
+
+def directory_files(d: Path) -> list[str]:
+    """What a model directory's manifest must list (independent of the code under test): every file but
+    the manifest and the model card."""
+    return sorted(p.name for p in d.iterdir() if p.is_file() and p.name not in (MANIFEST_FILE, "README.md"))
 
 
 def cli(*args, env=None, input=None):
