@@ -32,17 +32,22 @@ def load_config(model: str | None):
               help="NODES.toml: the hosts' cards as [[nodes]] tables (docs/rack.md)")
 @click.option("--nodes", "nodes_file", type=click.Path(dir_okay=False), hidden=True,
               help="deprecated alias of --hosts (everywhere else --nodes is a count)")
+@click.option("--model-dir", default=None, help="where the nodes read the checkpoint ([model] path; default: "
+                                               "--model when it is a directory)")
+@click.option("--repo", default=None, help="hub repo of the checkpoint ([model] repo, what `p2pk3 download` fetches)")
 @click.option("--context", type=click.IntRange(min=1), default=32768, show_default=True, help="tokens of MLA cache per session")
 @click.option("--sessions", type=click.IntRange(min=1), default=8, show_default=True, help="concurrent sessions held")
-@click.option("--prefill-chunk", type=click.IntRange(min=1), default=2048, show_default=True)
+@click.option("--prefill-chunk", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="prompt tokens per prefill pass (sizes the activation workspace)")
 @click.option("--overhead-gb", type=click.FloatRange(min=0), default=1.0, show_default=True, help="CUDA context reserve (GiB)")
 @click.option("--formats", default=None, help=FORMATS_HELP)
 @click.option("--standby", type=click.IntRange(min=0), default=0, show_default=True, help="more cards kept as hot spares")
 @click.option("--name", default="cluster", show_default=True, help="cluster name")
-@click.option("--stage-overhead-us", type=click.FloatRange(min=0), default=80.0, show_default=True)
+@click.option("--stage-overhead-us", type=click.FloatRange(min=0), default=80.0, show_default=True,
+              help="fixed cost per stage and token (launches, the hop) in the predicted pace")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="write the topology here (default: stdout)")
 @click.option("--tables/--no-tables", default=False, help="print every card's memory table")
-def plan_cmd(model, hosts_file, nodes_file, context, sessions, prefill_chunk, overhead_gb, formats, standby, name,
+def plan_cmd(model, hosts_file, nodes_file, model_dir, repo, context, sessions, prefill_chunk, overhead_gb, formats, standby, name,
              stage_overhead_us, out, tables):
     """A topology for a model over a list of hosts, balanced by predicted stage time."""
     from p2pk3.plan import load_nodes, plan_ring
@@ -63,8 +68,8 @@ def plan_cmd(model, hosts_file, nodes_file, context, sessions, prefill_chunk, ov
     cards = load_nodes(nodes_file)
     p = plan_ring(cfg, cards, memory=MemorySpec(sessions=sessions, context=context, prefill_chunk=prefill_chunk,
                                                 overhead_gb=overhead_gb), formats=fm,
-                  standby=standby, stage_overhead_us=stage_overhead_us, name=name, preset=preset, model_path=path,
-                  secret_file=SECRET_FILE)
+                  standby=standby, stage_overhead_us=stage_overhead_us, name=name, preset=preset,
+                  model_path=model_dir or path, repo=repo, secret_file=SECRET_FILE)
     fdesc = ", ".join(f"{k}={v}" for k, v in p.formats.items()) or "as shipped"
     pace = p.pace_line()
     comment = (f"Planned by `p2pk3 plan` from {Path(nodes_file).name}: {len(p.topology.active)} active + "
