@@ -253,7 +253,7 @@ def shrink_advice(parts: dict[str, int], over: int, memory: MemorySpec) -> str:
     reserve in bytes): only the items big enough to make the difference alone."""
     opts = []
     if parts["weights"] >= over:
-        opts.append("give it fewer layers/experts")
+        opts.append("fewer layers/experts")
     if parts["caches"] >= over:
         opts.append("fewer [memory] sessions or a shorter context")
     if parts["workspace"] >= over:
