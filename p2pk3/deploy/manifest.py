@@ -144,7 +144,10 @@ class Manifest:
         return "run `p2pk3 download` for this slot to fetch it again"
 
     def save(self) -> None:
-        """Atomic write, merged with the manifest on disk (entries of other files another process added)."""
+        """Atomic write, merged with the manifest on disk (entries of other files another process added).
+        A shipped manifest is part of the package: only `record_directory` writes it."""
+        if self.shipped:
+            return
         with _locked(self.dir):
             try:
                 disk = Manifest.load(self.dir)
