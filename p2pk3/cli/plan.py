@@ -47,8 +47,8 @@ def load_config(model: str | None):
               help="fixed cost per stage and token (launches, the hop) in the predicted pace")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="write the topology here (default: stdout)")
 @click.option("--tables/--no-tables", default=False, help="print every card's memory table")
-def plan_cmd(model, hosts_file, nodes_file, model_dir, repo, context, sessions, prefill_chunk, overhead_gb, formats, standby, name,
-             stage_overhead_us, out, tables):
+def plan_cmd(model, hosts_file, nodes_file, model_dir, repo, context, sessions, prefill_chunk, overhead_gb, formats,
+             standby, name, stage_overhead_us, out, tables):
     """A topology for a model over a list of hosts, balanced by predicted stage time."""
     from p2pk3.plan import load_nodes, plan_ring
     from p2pk3.quant.formats import parse_formats
@@ -61,18 +61,17 @@ def plan_cmd(model, hosts_file, nodes_file, model_dir, repo, context, sessions, 
         hosts_file = nodes_file
     if hosts_file is None:
         raise click.UsageError("missing --hosts FILE (a NODES.toml of [[nodes]] tables; docs/rack.md)")
-    nodes_file = hosts_file
     check_writable(out, "--out")
     cfg, preset, path = load_config(model)
     fm = parse_formats(formats)
-    cards = load_nodes(nodes_file)
+    cards = load_nodes(hosts_file)
     p = plan_ring(cfg, cards, memory=MemorySpec(sessions=sessions, context=context, prefill_chunk=prefill_chunk,
                                                 overhead_gb=overhead_gb), formats=fm,
                   standby=standby, stage_overhead_us=stage_overhead_us, name=name, preset=preset,
                   model_path=model_dir or path, repo=repo, secret_file=SECRET_FILE)
     fdesc = ", ".join(f"{k}={v}" for k, v in p.formats.items()) or "as shipped"
     pace = p.pace_line()
-    comment = (f"Planned by `p2pk3 plan` from {Path(nodes_file).name}: {len(p.topology.active)} active + "
+    comment = (f"Planned by `p2pk3 plan` from {Path(hosts_file).name}: {len(p.topology.active)} active + "
                f"{len(p.topology.standby)} standby; {sessions} sessions x {context} tokens, prefill chunk "
                f"{prefill_chunk}; weight formats: {fdesc}.\n{pace[0].upper()}{pace[1:]}.\n"
                f"Check it with `p2pk3 topology check FILE --model ...`.")

@@ -238,7 +238,7 @@ def memory_fit(topo: Ring, cfg: K3Config, need: dict[str, int], estimated: bool 
                            else "caches")
                     parts[key] += b
             errs.append(f"slot {s.id} needs about {n / GiB:.2f} GiB ({_itemised(parts)}) but has gpu_memory_gb = "
-                        f"{s.gpu_memory_gb:g}: {shrink_advice(parts, n - cap, topo.memory)}")
+                        f"{s.gpu_memory_gb:g}: {_shrink_advice(parts, n - cap, topo.memory)}")
     return errs
 
 
@@ -248,7 +248,7 @@ def _itemised(parts: dict[str, int]) -> str:
     return " + ".join(f"{names[k]} {b / GiB:.2f} GiB" for k, b in parts.items() if b or k == "weights")
 
 
-def shrink_advice(parts: dict[str, int], over: int, memory: MemorySpec) -> str:
+def _shrink_advice(parts: dict[str, int], over: int, memory: MemorySpec) -> str:
     """What would free `over` bytes on one card, given what its memory holds (weights, caches, workspace,
     reserve in bytes): only the items big enough to make the difference alone."""
     opts = []
