@@ -117,6 +117,8 @@ def test_topology_check_refuses_a_missing_secret_and_systemd_warns(tmp_path):
     r = cli("topology", "check", topo, "--quiet")
     assert r.exit_code == 1 and "ok (" not in r.output, r.output
     assert "cluster.key does not exist" in r.output and "p2pk3 secret --out" in r.output
+    tables = cli("topology", "check", topo)
+    assert tables.exit_code == 1 and "CUDA context" in tables.output  # the memory tables all the same
     s = cli("systemd", "--topology", topo, "--out", tmp_path / "units")
     assert s.exit_code == 0 and "warning: secret file" in s.output and "does not exist" in s.output, s.output
 

@@ -109,12 +109,12 @@ def topology_check(path, model, formats, quiet):
     if formats:  # instead of the file's own
         topo.model.formats = parse_formats(formats)
     errors, warnings = topo.check(cfg)
-    if (secret := topo.secret_problem()) is not None:
-        errors.append(secret)
-    if not errors and not quiet:
+    if not errors and not quiet:  # a layout that fits: its tables, even when the secret is still to be made
         for s in topo.active:
             click.echo(memory_table(cfg, topo.slot_plan(s, cfg), topo.memory, s.gpu_memory_gb,
                                     topo.model.formats).render())
+    if (secret := topo.secret_problem()) is not None:
+        errors.append(secret)
     for w in warnings:
         click.echo(f"warning: {w}", err=True)
     if errors:
