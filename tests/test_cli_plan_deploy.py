@@ -23,8 +23,9 @@ EMBEDDED = sorted(p for p in ASSETS.iterdir() if (p / "config.json").is_file())
 
 def directory_files(d: Path) -> list[str]:
     """What a model directory's manifest must list (independent of the code under test): every file but
-    the manifest and the model card."""
-    return sorted(p.name for p in d.iterdir() if p.is_file() and p.name not in (MANIFEST_FILE, "README.md"))
+    the manifest, the model card and hidden ones (the manifest's lock file)."""
+    return sorted(p.name for p in d.iterdir()
+                  if p.is_file() and p.name not in (MANIFEST_FILE, "README.md") and not p.name.startswith("."))
 
 
 def cli(*args, env=None, input=None):
