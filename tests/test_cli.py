@@ -90,7 +90,7 @@ def test_topology_init_defaults_and_secret_next_to_it(tmp_path):
     assert [s.port for s in t.slots] == [DEFAULT_BASE_PORT + i for i in range(3)]
     assert t.cluster.beacon_addrs == ["127.0.0.1"]  # loopback hosts: loopback beacons, not broadcast
     assert Path(t.resolve(t.model.path)) == MODEL.resolve()  # default model: the embedded one
-    secret = out.parent / "secret"
+    secret = out.parent / "cluster.key"
     assert secret.exists() and oct(secret.stat().st_mode & 0o777) == "0o600"
     assert t.secret() == secret.read_bytes().strip()  # the node finds it where it was written
     assert str(secret) in r.output

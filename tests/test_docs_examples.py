@@ -4,6 +4,7 @@ working --help; the two set-up commands are the ones .ci/run and the main-comman
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -104,3 +105,105 @@ def test_talk_to_a_running_ring_section_as_written(tmp_path):
             ring.wait(60)
         except subprocess.TimeoutExpired:
             ring.kill()
+
+
+# ------------------------------------------------------------------------- docs/deploy.md
+DEPLOY = (ROOT / "docs" / "deploy.md").read_text()
+
+
+def _deploy_commands() -> list[str]:
+    """The shell commands of docs/deploy.md in order (not the TOML, nor the sudo/journalctl lines that
+    `p2pk3 systemd` prints as an example)."""
+    out = []
+    for lang, block in re.findall(r"```([a-z]*)\n(.*?)```", DEPLOY, flags=re.S):
+        if lang == "toml":
+            continue
+        out += [ln.strip() for ln in block.splitlines() if ln.strip() and not ln.startswith(("sudo ", "#", "journalctl"))]
+    return out
+
+
+def test_the_readme_deploy_section_has_the_deploy_docs_steps_and_commands():
+    section = README.split("## Deploy on a rack", 1)[1].split("\n## ", 1)[0]
+    readme = [c for c in re.findall(r"`([^`]+)`", section) if c.split()[0] in ("p2pk3", "pip", "scp")]
+    doc = _deploy_commands()
+    assert doc == [c for c in readme if c in doc], (doc, readme)  # every command of the doc, in the same order
+    assert all(c in doc or c.split()[:2] in (["p2pk3", "topology"], ["p2pk3", "secret"], ["p2pk3", "serve"])
+               for c in readme), readme  # the README's others are the alternatives the doc names in prose
+    for alt in ("p2pk3 topology init", "p2pk3 secret --out /etc/p2pk3/cluster.key"):
+        assert alt in DEPLOY and alt in section
+    titles = re.findall(r"^## \d\. (.+)$", DEPLOY, flags=re.M)
+    steps = re.findall(r"^\d\. \*\*(\w+)\*\*", section, flags=re.M)
+    assert [t.split()[0].rstrip(":") for t in titles] == steps, (titles, steps)
+    assert "cluster.key" in DEPLOY and "secret\"" not in DEPLOY  # one secret file name
+
+
+def test_deploy_doc_commands_run_on_loopback(tmp_path):
+    """docs/deploy.md as written, on this host: its NODES.toml with the hosts on loopback (one card each),
+    the embedded model's config for K3's, a local stand-in of the hub serving the embedded model as
+    moonshotai/Kimi-K3; then the nodes as the systemd unit starts them, the dashboard and a chat."""
+    from hub_standin import HubStandIn
+    from p2pk3.node.local import free_ports
+
+    model = ROOT / "p2pk3" / "assets" / "k3-docs"
+    hub_root = tmp_path / "hub"
+    shutil.copytree(model, hub_root, ignore=shutil.ignore_patterns("p2pk3-manifest.json"))
+    etc, models = tmp_path / "etc", tmp_path / "models" / "kimi-k3"
+    etc.mkdir()
+    nodes_toml = re.findall(r"```toml\n(.*?)```", DEPLOY, flags=re.S)[0]
+    ports = iter(free_ports(8))
+    nodes_toml = re.sub(r'host = "10\.0\.0\.\d+"', 'host = "127.0.0.1"', nodes_toml)
+    nodes_toml = re.sub(r"port = 47920", lambda m: f"port = {next(ports)}", nodes_toml).replace("count = 8", "count = 1")
+    (etc / "NODES.toml").write_text(nodes_toml)
+
+    def sub(c: str) -> str:
+        c = (c.replace("/etc/p2pk3", str(etc)).replace("/models/kimi-k3", str(models))
+             .replace("--model kimi-k3", f"--model {model}"))
+        if c.startswith("p2pk3 topology check"):  # K3's topology names its preset; the embedded model has none,
+            c += f" --model {model}"              # and its config is not in [model] path before the download
+        return c
+
+    with HubStandIn(hub_root, repo="moonshotai/Kimi-K3") as hub:
+        env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "PYTHONPATH": str(ROOT)}
+        ran = []
+        for c in _deploy_commands():
+            if c.startswith(("pip ", "scp ")) or c.split()[:2] in (["p2pk3", "dashboard"], ["p2pk3", "chat"]):
+                continue  # installed already; one host; the ring's commands run once it is up
+            r = _sh(sub(c).replace("p2pk3 ", f"{sys.executable} -m p2pk3.cli ", 1), timeout=300, env=env,
+                    cwd=tmp_path)
+            assert r.returncode == 0, (c, r.stdout[-2000:], r.stderr[-2000:])
+            ran.append((c.split()[1], r.stdout + r.stderr))
+    assert [w for w, _ in ran] == ["plan", "topology", "download", "systemd"], ran
+    from p2pk3.topology import Topology
+    topo = Topology.load(etc / "topology.toml")
+    assert topo.cluster.secret_file == "cluster.key" and (etc / "cluster.key").is_file()  # plan created it
+    assert topo.model.repo == "moonshotai/Kimi-K3" and Path(topo.model.path) == models
+    assert (models / "p2pk3-manifest.json").is_file() and len(list(models.glob("*.safetensors"))) == 2
+    unit = (tmp_path / "p2pk3-systemd" / "p2pk3-node@.service").read_text()
+    exec_start = re.search(r"^ExecStart=(.*)$", unit, flags=re.M).group(1)
+    procs = []
+    try:
+        for s in topo.active:  # as systemd starts them: the unit's command, the slot's env file's extra flags
+            cmd = exec_start.replace("%i", s.id).replace("$P2PK3_NODE_ARGS", "--no-discovery")
+            procs.append(subprocess.Popen(["bash", "-c", cmd], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        dash = sub(next(c for c in _deploy_commands() if c.startswith("p2pk3 dashboard")))
+        deadline = time.monotonic() + 120
+        while True:
+            r = _sh(dash.replace("p2pk3 ", f"{sys.executable} -m p2pk3.cli ", 1) + " --once", env=env)
+            if r.returncode == 0 and all(f"{s.id}" in r.stdout for s in topo.active) and "down" not in r.stdout:
+                break
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+                (r.stdout[-1500:], r.stderr[-1500:], [p.stderr.read() for p in procs if p.poll() is not None])
+            time.sleep(1)
+        chat = sub(next(c for c in _deploy_commands() if c.startswith("p2pk3 chat")))
+        r = _sh("echo 'What is a tuple?' | " + chat.replace("p2pk3 ", f"{sys.executable} -m p2pk3.cli ", 1),
+                env=env, timeout=180)
+        assert r.returncode == 0 and r.stdout.strip(), (r.stdout[-1500:], r.stderr[-1500:])
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()

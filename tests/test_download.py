@@ -245,7 +245,7 @@ def test_offline_uses_what_is_there_and_names_what_is_missing(tmp_path, hub, rep
     assert missing
     r = run(["download", "--topology", str(t), "--slot", "s2"], {"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": hub.url})
     assert r.exit_code == 1 and hub.log == []
-    assert (f"offline (HF_HUB_OFFLINE=1): {len(missing)} file(s) needed here are missing or not verified in "
+    assert (f"offline (HF_HUB_OFFLINE=1): {len(missing)} file(s) needed here are missing in "
             f"{tmp_path / 'model'}: {', '.join(missing)}; run without HF_HUB_OFFLINE, or with --from-peers") in r.output
 
 

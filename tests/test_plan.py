@@ -170,13 +170,13 @@ def _cli(*args, timeout=120):
 def test_cli_plan_refusal_is_one_line_and_topology_check_names_every_problem(tmp_path):
     nodes = tmp_path / "NODES.toml"
     nodes.write_text('[[nodes]]\nname = "rtx5090"\ncount = 20\ngpu = "rtx5090"\n')
-    r = _cli("plan", "--model", "kimi-k3", "--nodes", str(nodes))
+    r = _cli("plan", "--model", "kimi-k3", "--hosts", str(nodes))
     assert r.returncode == 1 and "Traceback" not in r.stderr
     err = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
     assert len(err) == 1 and "short by" in err[0] and "more cards of kind 'rtx5090'" in err[0]
     nodes.write_text('[[nodes]]\nname = "g"\ncount = 3\ngpu_memory_gb = 1.0\nmemory_bandwidth_gbs = 100\n')
     out = tmp_path / "t.toml"
-    r = _cli("plan", "--model", "tiny-k3", "--nodes", str(nodes), "--out", str(out), "--sessions", "2",
+    r = _cli("plan", "--model", "tiny-k3", "--hosts", str(nodes), "--out", str(out), "--sessions", "2",
              "--context", "256", "--prefill-chunk", "64", "--overhead-gb", "0", "--formats", "non-experts=mxfp8")
     assert r.returncode == 0, r.stderr
     planned = Topology.load(out)

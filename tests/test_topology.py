@@ -268,13 +268,15 @@ def test_error_memory():
     d = base()
     d["slots"][0]["gpu_memory_gb"] = 0.5
     msg = errors_of(d)
-    assert "slot s0 needs about 1.0 GiB (weights 0.0 GiB + caches and workspace 1.0 GiB) but has gpu_memory_gb = 0.5" in msg
+    assert ("slot s0 needs about 1.01 GiB (weights 0.00 GiB + caches 0.00 GiB + prefill workspace 0.01 GiB + CUDA "
+            "reserve 1.00 GiB) but has gpu_memory_gb = 0.5: it would fit with a CUDA reserve of at most 0.49 GiB") in msg
+    assert "fewer layers" not in msg  # the weights are not what does not fit
     # a custom estimate function
     msg = errors_of(base(), weight_bytes_fn=lambda s: 3 * GiB if s.id == "s1" else 0)
-    assert "slot s1 needs about 3.0 GiB" in msg and "s0 needs" not in msg
+    assert "slot s1 needs about 3.00 GiB" in msg and "s0 needs" not in msg
     # K3 on 32 GB cards with whole layers
     t = even_split(KIMI_K3, 46, gpu_memory_gb=32)
-    with pytest.raises(TopologyError, match=r"slot s1 needs about 3\d\.\d GiB .* but has gpu_memory_gb = 32"):
+    with pytest.raises(TopologyError, match=r"slot s1 needs about 3\d\.\d\d GiB .* but has gpu_memory_gb = 32: it would fit with .*fewer layers"):
         t.validate(KIMI_K3)
 
 

@@ -6,7 +6,7 @@ rack tables of docs/rack.md (simulated with p2pk3/sim/profiles/rtx5090.toml).
 
 The same file comes from the command line:
 
-    p2pk3 plan --model kimi-k3 --nodes hardware/k3-80x5090-nodes.toml --standby 2 --sessions 8 \\
+    p2pk3 plan --model kimi-k3 --hosts hardware/k3-80x5090-nodes.toml --standby 2 --sessions 8 \\
         --context 32768 --name k3-80x5090 --out topology/k3-80x5090.toml
 """
 from __future__ import annotations

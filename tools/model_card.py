@@ -106,6 +106,13 @@ The comparison with the previous demo model (bits per byte: the tokenizers diffe
 |---|---|---|---|
 {_q_rows(m['questions'])}
 
+## Integrity
+
+`p2pk3-manifest.json` beside the weights records the size and SHA-256 of every file here but this card;
+`p2pk3 generate`, `p2pk3 local` and every node check the shards against it at load, as they check a
+downloaded model (a changed shard stops them, naming the file). A retrained or re-exported model must
+regenerate it: `p2pk3 manifest p2pk3/assets/k3-docs` (tests/test_cli_plan_deploy.py fails until it matches).
+
 ## License / provenance
 
 Weights trained by p2pk3 from random initialisation on the texts above; the licences of the training texts

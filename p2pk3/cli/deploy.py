@@ -1,5 +1,6 @@
 """Commands that put a model on a rack: `download` (only the shards of some slots, verified, from the hub
-or LAN peers) and `systemd` (units + per-slot env files). Step by step: docs/deploy.md."""
+or LAN peers), `manifest` (record a local model's files), and `systemd` (units + per-slot env files).
+Step by step: docs/deploy.md."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -115,6 +116,25 @@ def download(topology_path, slots, all_local, repo, revision, local_dir, from_pe
 
 
 @main.command()
+@click.argument("model_dir", type=click.Path(file_okay=False))
+@click.option("--repo", default=None, help="the hub repo the files are a copy of (recorded; `download` checks it)")
+def manifest(model_dir, repo):
+    """Record the files of a model directory not fetched with `p2pk3 download` (a local or retrained model,
+    the embedded ones) in its p2pk3-manifest.json: size and SHA-256 of each, checked at every load."""
+    from p2pk3.deploy.manifest import ManifestError, record_directory
+    if not Path(model_dir).is_dir():
+        raise UserError(f"{model_dir}: no such directory" + (" (give the model's folder, not a file)"
+                                                            if Path(model_dir).exists() else ""))
+    try:
+        m = record_directory(model_dir, repo=repo)
+    except ManifestError as e:
+        raise UserError(str(e)) from None
+    size = sum(e.size for e in m.files.values())
+    click.echo(f"wrote {m.path}: {len(m.files)} files, {size / 1e6:.1f} MB" + (" (shipped with p2pk3)" if m.shipped
+                                                                                else ""))
+
+
+@main.command()
 @topology_option()
 @click.option("--slot", "slots", multiple=True, help="write env files for these slots only (default: every slot)")
 @click.option("--user", default=None, help="run the daemons as this user (default: root)")
@@ -136,6 +156,8 @@ def systemd(topology_path, slots, user, out_dir, env_dir, systemd_version):
                                      param_hint="--slot")
     if not topo.cluster.secret_file:
         raise UserError(f"{topology_path}: [cluster] has no secret_file; the nodes need one (p2pk3 secret --out PATH)")
+    if (problem := topo.secret_problem()) is not None:  # it may live only on the hosts: say so, write the units
+        click.echo(f"warning: {problem}; copy it next to the topology on every host", err=True)
     if not env_dir.startswith("/"):
         raise click.BadParameter(f"{env_dir!r}: must be an absolute path", param_hint="--env-dir")
     out = Path(out_dir)

@@ -10,7 +10,7 @@ import click
 from . import main
 from .common import UserError, check_writable
 from .options import topology_option
-from .topo import topology
+from .topo import SECRET_FILE, secret_beside, topology
 
 FORMATS_HELP = ("weight formats per tensor class, e.g. 'non-experts=mxfp8' or 'attention=mxfp4,lm_head=bf16' "
                 "(classes attention, shared_experts, dense, lm_head, latent; formats bf16 = shipped, mxfp8, mxfp4)")
@@ -28,34 +28,52 @@ def load_config(model: str | None):
 
 @main.command("plan")
 @click.option("--model", default=None, help="preset (kimi-k3, tiny-k3, ...) or model directory; default: the embedded model")
-@click.option("--nodes", "nodes_file", required=True, type=click.Path(dir_okay=False), help="NODES.toml ([[nodes]] tables)")
+@click.option("--hosts", "hosts_file", type=click.Path(dir_okay=False),
+              help="NODES.toml: the hosts' cards as [[nodes]] tables (docs/rack.md)")
+@click.option("--nodes", "nodes_file", type=click.Path(dir_okay=False), hidden=True,
+              help="deprecated alias of --hosts (everywhere else --nodes is a count)")
+@click.option("--model-dir", default=None, help="where the nodes read the checkpoint ([model] path; default: "
+                                               "--model when it is a directory)")
+@click.option("--repo", default=None, help="hub repo of the checkpoint ([model] repo, what `p2pk3 download` fetches)")
 @click.option("--context", type=click.IntRange(min=1), default=32768, show_default=True, help="tokens of MLA cache per session")
 @click.option("--sessions", type=click.IntRange(min=1), default=8, show_default=True, help="concurrent sessions held")
-@click.option("--prefill-chunk", type=click.IntRange(min=1), default=2048, show_default=True)
+@click.option("--prefill-chunk", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="prompt tokens per prefill pass (sizes the activation workspace)")
 @click.option("--overhead-gb", type=click.FloatRange(min=0), default=1.0, show_default=True, help="CUDA context reserve (GiB)")
 @click.option("--formats", default=None, help=FORMATS_HELP)
 @click.option("--standby", type=click.IntRange(min=0), default=0, show_default=True, help="more cards kept as hot spares")
 @click.option("--name", default="cluster", show_default=True, help="cluster name")
-@click.option("--stage-overhead-us", type=click.FloatRange(min=0), default=80.0, show_default=True)
+@click.option("--stage-overhead-us", type=click.FloatRange(min=0), default=80.0, show_default=True,
+              help="fixed cost per stage and token (launches, the hop) in the predicted pace")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="write the topology here (default: stdout)")
 @click.option("--tables/--no-tables", default=False, help="print every card's memory table")
-def plan_cmd(model, nodes_file, context, sessions, prefill_chunk, overhead_gb, formats, standby, name,
-             stage_overhead_us, out, tables):
+def plan_cmd(model, hosts_file, nodes_file, model_dir, repo, context, sessions, prefill_chunk, overhead_gb, formats,
+             standby, name, stage_overhead_us, out, tables):
     """A topology for a model over a list of hosts, balanced by predicted stage time."""
     from p2pk3.plan import load_nodes, plan_ring
     from p2pk3.quant.formats import parse_formats
     from p2pk3.topology import MemorySpec
+    if nodes_file is not None:
+        if hosts_file is not None:
+            raise UserError("give the hosts file once: --hosts FILE (--nodes FILE is its deprecated alias)")
+        click.echo("warning: `plan --nodes FILE` is deprecated (elsewhere --nodes is a count): use --hosts FILE",
+                   err=True)
+        hosts_file = nodes_file
+    if hosts_file is None:
+        raise click.UsageError("missing --hosts FILE (a NODES.toml of [[nodes]] tables; docs/rack.md)")
     check_writable(out, "--out")
     cfg, preset, path = load_config(model)
     fm = parse_formats(formats)
-    cards = load_nodes(nodes_file)
+    cards = load_nodes(hosts_file)
     p = plan_ring(cfg, cards, memory=MemorySpec(sessions=sessions, context=context, prefill_chunk=prefill_chunk,
                                                 overhead_gb=overhead_gb), formats=fm,
-                  standby=standby, stage_overhead_us=stage_overhead_us, name=name, preset=preset, model_path=path)
+                  standby=standby, stage_overhead_us=stage_overhead_us, name=name, preset=preset,
+                  model_path=model_dir or path, repo=repo, secret_file=SECRET_FILE)
     fdesc = ", ".join(f"{k}={v}" for k, v in p.formats.items()) or "as shipped"
-    comment = (f"Planned by `p2pk3 plan` from {Path(nodes_file).name}: {len(p.topology.active)} active + "
+    pace = p.pace_line()
+    comment = (f"Planned by `p2pk3 plan` from {Path(hosts_file).name}: {len(p.topology.active)} active + "
                f"{len(p.topology.standby)} standby; {sessions} sessions x {context} tokens, prefill chunk "
-               f"{prefill_chunk}; weight formats: {fdesc}.\nPace (slowest stage) {p.pace_ms:.3f} ms/token. "
+               f"{prefill_chunk}; weight formats: {fdesc}.\n{pace[0].upper()}{pace[1:]}.\n"
                f"Check it with `p2pk3 topology check FILE --model ...`.")
     text = p.topology.dump(out, comment=comment) if out else p.topology.dump(comment=comment)
     click.echo(p.summary(), err=bool(not out))
@@ -63,7 +81,7 @@ def plan_cmd(model, nodes_file, context, sessions, prefill_chunk, overhead_gb, f
         for s in p.topology.active:
             click.echo(p.tables[s.id].render(), err=bool(not out))
     if out:
-        click.echo(f"wrote {out}")
+        click.echo(secret_beside(out))
     else:
         click.echo(text)
 
@@ -91,10 +109,12 @@ def topology_check(path, model, formats, quiet):
     if formats:  # instead of the file's own
         topo.model.formats = parse_formats(formats)
     errors, warnings = topo.check(cfg)
-    if not errors and not quiet:
+    if not errors and not quiet:  # a layout that fits: its tables, even when the secret is still to be made
         for s in topo.active:
             click.echo(memory_table(cfg, topo.slot_plan(s, cfg), topo.memory, s.gpu_memory_gb,
                                     topo.model.formats).render())
+    if (secret := topo.secret_problem()) is not None:
+        errors.append(secret)
     for w in warnings:
         click.echo(f"warning: {w}", err=True)
     if errors:
@@ -128,6 +148,11 @@ def simulate_cmd(topology_path, hw_path, model, streams, formats, accept, spec_k
     from p2pk3.sim import load_profile, report, simulate_sweep
     from p2pk3.topology import Topology
     check_writable(plot, "--plot")
+    if plot:
+        try:
+            report.require_matplotlib()
+        except RuntimeError as e:
+            raise UserError(str(e)) from None
     topo = Topology.load(topology_path)
     cfg = load_config(model)[0] if model else topo.model_config()
     topo.validate(cfg)

@@ -43,10 +43,10 @@ def topology_init(model, nodes, standby, host, base_port, split, gpu_memory_gb, 
     cfg = K3Config.from_pretrained(mdir)
     if split == "layers":
         topo = even_split(cfg, nodes, host=host, base_port=base_port, model_path=str(mdir.resolve()),
-                          secret_file="secret", n_standby=standby, gpu_memory_gb=gpu_memory_gb)
+                          secret_file=SECRET_FILE, n_standby=standby, gpu_memory_gb=gpu_memory_gb)
     else:
         topo = balanced_split(cfg, nodes, gpu_memory_gb=gpu_memory_gb, host=host, base_port=base_port,
-                              n_standby=standby, model_path=str(mdir.resolve()), secret_file="secret")
+                              n_standby=standby, model_path=str(mdir.resolve()), secret_file=SECRET_FILE)
     try:
         if ipaddress.ip_address(host).is_loopback:
             topo.cluster.beacon_addrs = [host]
@@ -57,14 +57,22 @@ def topology_init(model, nodes, standby, host, base_port, split, gpu_memory_gb, 
     text = topo.dump()
     if out:
         Path(out).write_text(text)
-        secret = Path(out).resolve().parent / "secret"
-        if secret.exists():
-            click.echo(f"wrote {out}; it uses the existing cluster secret {secret}")
-        else:
-            _write_secret(secret)
-            click.echo(f"wrote {out} and a new cluster secret {secret} (copy both to every host)")
+        click.echo(secret_beside(out))
     else:
         click.echo(text)
+
+
+SECRET_FILE = "cluster.key"  # `topology init` and `p2pk3 plan` name the secret so, beside the topology
+
+
+def secret_beside(out: str | Path) -> str:
+    """After writing the topology `out` (secret_file = SECRET_FILE): create the secret beside it unless one
+    is there; the line to print."""
+    secret = Path(out).resolve().parent / SECRET_FILE
+    if secret.exists():
+        return f"wrote {out}; it uses the existing cluster secret {secret}"
+    _write_secret(secret)
+    return f"wrote {out} and a new cluster secret {secret} (copy both to every host)"
 
 
 def _write_secret(p: Path) -> None:

@@ -29,7 +29,7 @@ from p2pk3.checkpoint.loader import INDEX_FILE, SINGLE_FILE
 from p2pk3.model.config import K3Config
 
 from .files import is_small_file, needed_shards, read_weight_map
-from .manifest import IntegrityError, Manifest, git_blob_sha1, sha256_file
+from .manifest import MANIFEST_FILE, IntegrityError, Manifest, git_blob_sha1, sha256_file
 from .peers import fetch_file, list_peer_files
 
 PART_DIR = ".p2pk3-download"
@@ -338,10 +338,7 @@ class Downloader:
         if self.offline:
             nowhere = [n for n in todo if not any(n in f for f in self.peer_files.values())]
             if nowhere:
-                peers = " nor on any peer" if self.peer_files else ""
-                raise DownloadError(f"offline (HF_HUB_OFFLINE=1): {len(nowhere)} file(s) needed here are missing or "
-                                    f"not verified in {self.dir}{peers}: {', '.join(nowhere)}; run without "
-                                    f"HF_HUB_OFFLINE" + ("" if self.peer_files else ", or with --from-peers"))
+                raise DownloadError(self._offline_refusal(nowhere))
         known = [self._expected(n)[0] for n in todo]
         prog.set_total(f"{label}: {len(todo)} file(s)", sum(k or 0 for k in known))
         for n in todo:
@@ -359,13 +356,61 @@ class Downloader:
             self._ensure(list(names), prog)
         return self.out
 
+    def _offline_refusal(self, names: list[str]) -> str:
+        """What is really the case with files needed here that cannot be had offline."""
+        peers = " nor on any peer" if self.peer_files else ""
+        absent = [n for n in names if not (self.dir / n).is_file()]
+        unknown = [n for n in names if n not in absent and n not in self.manifest.files]
+        bad = [n for n in names if n not in absent and n not in unknown]
+        said = []
+        if absent:
+            said.append(f"{len(absent)} file(s) needed here are missing in {self.dir}{peers}: {', '.join(absent)}")
+        if unknown:
+            why = (" has no p2pk3-manifest.json" if not self.manifest.files
+                   else f"'s manifest {self.manifest.path} does not list them")
+            said.append(f"{len(unknown)} file(s) are here but cannot be verified offline ({self.dir}{why}): "
+                        f"{', '.join(unknown)}; for a model you put there yourself, `p2pk3 manifest {self.dir}` "
+                        f"records its files as they are")
+        if bad:
+            said.append(f"{len(bad)} file(s) do not match the manifest: {', '.join(bad)}")
+        return ("offline (HF_HUB_OFFLINE=1): " + "; ".join(said) + "; run without HF_HUB_OFFLINE"
+                + ("" if self.peer_files else ", or with --from-peers"))
+
+    def _check_target(self) -> None:
+        """Refuse a model directory that holds another model than the repo asked for (before any transfer)."""
+        m, want = self.manifest, self.hub.repo
+        fix = f"give --local-dir DIR for {want} (and set [model] path = DIR in the topology for the nodes)"
+        if m.shipped:
+            raise DownloadError(f"{self.dir} is a model shipped with p2pk3 (a topology from `plan` or `topology "
+                                f"init` without --model points at it), not {want}: {fix}")
+        if m.repo and m.repo != want:
+            raise DownloadError(f"{self.dir} holds {m.repo} (its {MANIFEST_FILE}), not {want}: {fix}, or pass "
+                                f"--repo {m.repo}")
+        if m.repo is None and any(e.source == "local" for e in m.files.values()):
+            raise DownloadError(f"{self.dir} holds a local model recorded by `p2pk3 manifest` with no repo, not a "
+                                f"download of {want}: {fix}; if it is a copy of {want}, `p2pk3 manifest {self.dir} "
+                                f"--repo {want}` says so")
+
+    def _check_config(self) -> None:
+        """A config.json here that the manifest does not vouch for must be the hub's (else: another model)."""
+        p, rf = self.dir / "config.json", self.hub.files.get("config.json")
+        if "config.json" in self.manifest.files or not p.is_file() or rf is None or rf.git_sha1 is None:
+            return
+        if git_blob_sha1(p) != rf.git_sha1:
+            raise DownloadError(f"{p} is not the config.json of {self.hub.repo}@{self.hub.revision}: {self.dir} "
+                                f"holds another model; give --local-dir DIR for {self.hub.repo}, or remove the "
+                                f"directory's files to fetch {self.hub.repo} there")
+
     def run(self, cfg_fn: Callable[[Path], K3Config], plans_fn: Callable[[K3Config], list]) -> Outcome:
         """cfg_fn(local_dir) -> the model config (after config.json is here); plans_fn(cfg) -> slot plans."""
         t0 = time.perf_counter()
         self.dir.mkdir(parents=True, exist_ok=True)
         self.manifest = Manifest.load(self.dir) or Manifest(self.dir)
+        if self.hub is not None:
+            self._check_target()
         if self.hub is not None and not self.offline:
             self.hub.load_info()
+            self._check_config()
             if self.manifest.commit and self.manifest.commit != self.hub.commit and self.manifest.repo == self.hub.repo:
                 self.echo(f"note: {self.dir} holds files of commit {self.manifest.commit[:12]}; the hub's "
                           f"{self.hub.revision} is {self.hub.commit[:12]}: changed files are fetched again")

@@ -7,7 +7,10 @@
 
 `verified` is the (size, mtime) the file had when its SHA-256 was last checked against `sha256`: a node
 that finds the file unchanged trusts it without hashing again (a restart is fast); a file whose size or
-mtime moved is hashed again (`check_files`). Writes are atomic (temp file + rename) under a lock file, and
+mtime moved is hashed again (`check_files`). A model directory not fetched from the hub gets its manifest
+from `record_directory` (`p2pk3 manifest DIR`, source "local"); the embedded models ship one with
+`"shipped": true`: their directory is part of the package, so no verdict is cached there (every load hashes
+them, ~50 ms) and a mismatch says to restore the file or regenerate the manifest. Writes are atomic (temp file + rename) under a lock file, and
 merge with what another process wrote meanwhile (several nodes of one host share one model directory).
 """
 from __future__ import annotations
@@ -27,6 +30,7 @@ MANIFEST_FILE = "p2pk3-manifest.json"
 LOCK_FILE = ".p2pk3-manifest.lock"
 VERSION = 1
 HASH_BLOCK = 8 << 20
+ASSETS = Path(__file__).resolve().parent.parent / "assets"  # the embedded models ship here
 
 log = logging.getLogger("p2pk3.deploy")
 
@@ -82,6 +86,7 @@ class Manifest:
     repo: str | None = None
     revision: str | None = None
     commit: str | None = None
+    shipped: bool = False  # the files ship with the package (p2pk3/assets): verdicts are not cached here
 
     @property
     def path(self) -> Path:
@@ -116,14 +121,33 @@ class Manifest:
             v = e.get("verified")
             files[name] = FileEntry(e["size"], e["sha256"].lower(), str(e.get("source", "local")),
                                     v if isinstance(v, dict) else None)
-        return cls(d, files, raw.get("repo"), raw.get("revision"), raw.get("commit"))
+        return cls(d, files, raw.get("repo"), raw.get("revision"), raw.get("commit"), raw.get("shipped") is True)
 
     def to_dict(self) -> dict:
-        return {"version": VERSION, "repo": self.repo, "revision": self.revision, "commit": self.commit,
-                "files": {n: e.to_dict() for n, e in sorted(self.files.items())}}
+        d = {"version": VERSION, "repo": self.repo, "revision": self.revision, "commit": self.commit}
+        if self.shipped:
+            d["shipped"] = True
+        return {**d, "files": {n: e.to_dict() for n, e in sorted(self.files.items())}}
+
+    def refetch_hint(self, name: str) -> str:
+        """How to get a good copy of `name` back, by where it came from."""
+        e = self.files.get(name)
+        if self.shipped:
+            where = (f"restore it (`git checkout -- {self.dir}` or reinstall p2pk3)"
+                     if self.dir.resolve().is_relative_to(ASSETS) else
+                     f"copy it again from the embedded model in {ASSETS} that this directory is a copy of")
+            return (f"this file ships with p2pk3: {where}; if it was changed on purpose (a retrained model), "
+                    f"`p2pk3 manifest {self.dir}` records it")
+        if e is not None and e.source == "local":
+            return (f"restore it; if it was changed on purpose, `p2pk3 manifest {self.dir}` records the directory "
+                    f"as it is now")
+        return "run `p2pk3 download` for this slot to fetch it again"
 
     def save(self) -> None:
-        """Atomic write, merged with the manifest on disk (entries of other files another process added)."""
+        """Atomic write, merged with the manifest on disk (entries of other files another process added).
+        A shipped manifest is part of the package: only `record_directory` writes it."""
+        if self.shipped:
+            return
         with _locked(self.dir):
             try:
                 disk = Manifest.load(self.dir)
@@ -195,11 +219,11 @@ def check_files(model_dir: str | Path, names: Iterable[str], *, manifest: Manife
             st = p.stat()
         except FileNotFoundError:
             raise IntegrityError(f"{p}: missing (the manifest {m.path} lists it with {e.size} bytes); "
-                                 f"run `p2pk3 download` for this slot") from None
+                                 f"{m.refetch_hint(name)}") from None
         if st.st_size != e.size:
             what = "truncated" if st.st_size < e.size else "too long"
             raise IntegrityError(f"{p}: {what}: {st.st_size} bytes, the manifest says {e.size}; "
-                                 f"run `p2pk3 download` for this slot to fetch it again")
+                                 f"{m.refetch_hint(name)}")
         v = e.verified or {}
         if v.get("size") == st.st_size and v.get("mtime_ns") == st.st_mtime_ns:
             rep.cached.append(name)
@@ -207,13 +231,59 @@ def check_files(model_dir: str | Path, names: Iterable[str], *, manifest: Manife
         got = sha256_file(p)
         if got != e.sha256:
             raise IntegrityError(f"{p}: corrupt: SHA-256 {got[:16]}... does not match the manifest's "
-                                 f"{e.sha256[:16]}...; run `p2pk3 download` for this slot to fetch it again")
-        e.verified = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+                                 f"{e.sha256[:16]}...; {m.refetch_hint(name)}")
+        if not m.shipped:
+            e.verified = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
         rep.hashed.append(name)
-    if rep.hashed and save:
+    if rep.hashed and save and not m.shipped:
         try:
             m.save()
         except OSError as ex:  # a read-only model directory: the check still passed, it just is not cached
             log.warning("could not update %s (%s): the next start hashes again", m.path, ex)
     rep.seconds = time.perf_counter() - t0
     return rep
+
+
+# files of a model directory that a manifest never lists: itself, its lock, the model card, download temps
+UNRECORDED = (MANIFEST_FILE, LOCK_FILE, "README.md")
+
+
+def directory_files(model_dir: str | Path) -> list[str]:
+    """The files `record_directory` lists: every regular file under `model_dir` (relative names) but
+    UNRECORDED, hidden files and folders (`.p2pk3-download/`, `.git/`) and links."""
+    d = Path(model_dir)
+    out = []
+    for p in sorted(d.rglob("*")):
+        rel = p.relative_to(d).as_posix()
+        if any(part.startswith(".") for part in rel.split("/")) or rel in UNRECORDED:
+            continue
+        if p.is_file() and not p.is_symlink():
+            out.append(rel)
+    return out
+
+
+def record_directory(model_dir: str | Path, *, shipped: bool | None = None, repo: str | None = None) -> Manifest:
+    """Hash every file of a model directory not fetched with `p2pk3 download` (a local or trained model; an
+    embedded one, under p2pk3/assets, is marked `shipped` unless told) and write its manifest (replacing any):
+    from then on the loader checks the shards against it as it checks a downloaded model."""
+    d = Path(model_dir)
+    if not d.is_dir():
+        raise ManifestError(f"{d}: no such directory")
+    if shipped is None:
+        shipped = d.resolve().is_relative_to(ASSETS)
+    names = directory_files(d)
+    if not names:
+        raise ManifestError(f"{d}: no files to record")
+    m = Manifest(d, repo=repo, shipped=shipped)
+    for name in names:
+        e = m.record(name, sha256_file(d / name), "local")
+        if shipped:
+            e.verified = None
+    with _locked(d):
+        tmp = m.path.with_name(f".{MANIFEST_FILE}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(m.to_dict(), indent=1) + "\n")
+        os.replace(tmp, m.path)
+    if shipped:  # the lock file is not part of the package
+        with contextlib.suppress(OSError):
+            (d / LOCK_FILE).unlink()
+    return m

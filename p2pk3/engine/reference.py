@@ -48,7 +48,9 @@ class Pipeline:
     @classmethod
     def load(cls, model_dir: str | Path, n_stages: int = 1, dtype="float32", device="cpu",
              plans: list[StagePlan] | None = None, formats=None, **cache_kw) -> "Pipeline":
+        from p2pk3.deploy.integrity import check_checkpoint  # the shards against the manifest, as a node does
         cfg = K3Config.from_pretrained(model_dir)
+        check_checkpoint(model_dir)
         if torch.device(device).type == "cpu":
             configure_cpu_threads(cfg)
         plans = plans or StagePlan.split_even(cfg, n_stages)

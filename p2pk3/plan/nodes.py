@@ -80,7 +80,7 @@ def parse_nodes(d: dict[str, Any], source: str = "NODES.toml") -> list[Card]:
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             errs.append(f"{where}: count must be a positive integer (got {count!r})")
             continue
-        bw, src = r.get("memory_bandwidth_gbs"), "NODES.toml (measured)"
+        bw, src = r.get("memory_bandwidth_gbs"), "NODES.toml"
         if bw is None and gpu:
             bw, src = sheet[gpu]["memory_bandwidth_gbs"], f"datasheet {gpu}: {sheet[gpu]['source']}"
         if bw is not None and (not isinstance(bw, (int, float)) or bw <= 0):

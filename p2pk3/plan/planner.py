@@ -37,32 +37,53 @@ class PlanError(ValueError):
     pass
 
 
+def no_bandwidth_hint() -> str:
+    from p2pk3.sim.hardware import datasheet
+    return (f"give each [[nodes]] entry memory_bandwidth_gbs (GB/s) or gpu = a datasheet card "
+            f"({', '.join(sorted(datasheet()))}) for a pace in ms")
+
+
 @dataclass
 class Plan:
     topology: Topology
     cards: list[Card]
     tables: dict = field(default_factory=dict)  # slot id -> MemoryTable
-    stage_ms: dict = field(default_factory=dict)  # slot id -> predicted ms per token (planner's model)
+    stage_ms: dict = field(default_factory=dict)  # slot id -> predicted ms per token (only when timed)
     formats: dict = field(default_factory=dict)
+    stage_bytes: dict = field(default_factory=dict)  # slot id -> bytes the stage reads per generated token
+    timed: bool = True  # False: no card's memory bandwidth is known, the plan balances bytes read per token
 
     @property
-    def pace_ms(self) -> float:
-        return max(self.stage_ms.values())
+    def pace_ms(self) -> float | None:
+        """The slowest stage's predicted ms per token; None when no bandwidth is known (nothing to predict)."""
+        return max(self.stage_ms.values()) if self.timed else None
+
+    def pace_line(self) -> str:
+        if self.timed:
+            return (f"pace (slowest stage) {self.pace_ms:.3f} ms/token, "
+                    f"sum of stages {sum(self.stage_ms.values()):.1f} ms/token")
+        return (f"pace not predicted: no memory bandwidth known ({no_bandwidth_hint()}); balanced by bytes read per "
+                f"token, slowest stage {max(self.stage_bytes.values()) / 2**20:.1f} MiB/token")
 
     def summary(self) -> str:
         t = self.topology
         act = t.active
-        lines = [f"{len(act)} active slots + {len(t.standby)} standby; pace (slowest stage) "
-                 f"{self.pace_ms:.3f} ms/token, sum of stages {sum(self.stage_ms.values()):.1f} ms/token",
-                 f"{'slot':12s} {'card':10s} {'layers':18s} {'weights':>9s} {'runtime':>9s} {'total':>9s} "
-                 f"{'of':>7s}  {'stage ms':>8s}"]
+        col = "stage ms" if self.timed else "MiB/tok"
+        lines = [f"{len(act)} active slots + {len(t.standby)} standby; {self.pace_line()}"]
+        if self.timed:
+            bws = {c.kind: f"{c.kind} {c.bandwidth_gbs:g} GB/s ({c.bandwidth_source.split(':')[0]})"
+                   for c in self.cards if c.bandwidth_gbs}
+            lines.append("memory bandwidth: " + ", ".join(bws.values()))
+        lines.append(f"{'slot':12s} {'card':10s} {'layers':18s} {'weights':>9s} {'runtime':>9s} {'total':>9s} "
+                     f"{'of':>7s}  {col:>8s}")
         kinds = {c.id: c.kind for c in self.cards}
         for s in act:
             tb = self.tables[s.id]
             lay = f"{s.layers[0]}-{s.layers[1]}" + (" (split)" if s.experts else "")
             lines.append(f"{s.id:12s} {kinds.get(s.id, '?'):10s} {lay:18s} {tb.weight_total / GiB:9.2f} "
                          f"{tb.runtime_total / GiB:9.2f} {tb.total / GiB:9.2f} {tb.capacity / GiB:7.1f}  "
-                         f"{self.stage_ms[s.id]:8.3f}")
+                         + (f"{self.stage_ms[s.id]:8.3f}" if self.timed
+                            else f"{self.stage_bytes[s.id] / 2**20:8.1f}"))
         for s in t.standby:
             lines.append(f"{s.id:12s} {kinds.get(s.id, '?'):10s} standby (hot spare, {s.gpu_memory_gb:g} GiB)")
         return "\n".join(lines)
@@ -175,8 +196,8 @@ def _card_inputs(cards: list[Card]) -> tuple[list[float], list[float], bool]:
         return caps, [1.0] * len(cards), False  # balance by bytes
     missing = [c.id for c in cards if c.bandwidth_gbs is None]
     if missing:
-        raise PlanError(f"memory bandwidth unknown for {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}: "
-                        f"give memory_bandwidth_gbs (GB/s) or gpu = \"rtx5090\" (datasheet) in NODES.toml")
+        raise PlanError(f"memory bandwidth unknown for {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} "
+                        f"while other cards give one: {no_bandwidth_hint()} in NODES.toml")
     return caps, [b * 1e9 for b in known], True
 
 
@@ -236,7 +257,7 @@ def plan_ring(cfg: K3Config, cards: list[Card], *, memory: MemorySpec | None = N
                     ModelSpec(path=model_path, repo=repo, preset=preset, formats=dict(formats)), slots,
                     MemorySpec(sessions=memory.sessions, context=memory.context, prefill_chunk=memory.prefill_chunk,
                                overhead_gb=memory.overhead_gb, given=True))  # nodes size their caches by it
-    plan = Plan(topo, cards, formats=formats)
+    plan = Plan(topo, cards, formats=formats, timed=timed)
     bw_of = {c.id: b for c, b in zip(active, bws)}
     for s in topo.active:
         sp = topo.slot_plan(s, cfg)
@@ -244,7 +265,9 @@ def plan_ring(cfg: K3Config, cards: list[Card], *, memory: MemorySpec | None = N
         tr = stage_traffic(cfg, sp, formats)
         rd = sum(tr.dense.values()) + sum(h * one * kk / e for h, one, e, kk in tr.experts) + tr.kda_state \
             + tr.mla_per_ctx_token * memory.context
-        plan.stage_ms[s.id] = (rd / bw_of[s.id] + (stage_overhead_us * 1e-6 if timed else 0)) * 1e3
+        plan.stage_bytes[s.id] = rd
+        if timed:
+            plan.stage_ms[s.id] = (rd / bw_of[s.id] + stage_overhead_us * 1e-6) * 1e3
     for s in topo.active:  # the exact table must agree with the planner's accounting
         tb = plan.tables[s.id]
         if tb.total > tb.capacity:
@@ -352,6 +375,17 @@ def _refusal(cfg, active, memory, formats, U, caps, const, suggest: bool) -> str
         if _fits(cfg, active, m, parse_formats(f"non-experts={f}")):
             opts.append(f"--formats non-experts={f}")
             break
+    if m.overhead_gb > 0:  # the largest CUDA reserve (in 0.05 GiB steps) at which it fits
+        lo, hi = -1, int(m.overhead_gb / 0.05 + 1e-9) - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if _fits(cfg, active, MemorySpec(sessions=m.sessions, context=m.context, prefill_chunk=m.prefill_chunk,
+                                               overhead_gb=mid * 0.05), formats):
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo >= 0:
+            opts.append(f"--overhead-gb {lo * 0.05:.2f} (the CUDA reserve per card, now {m.overhead_gb:g} GiB)")
     big = max(active, key=lambda c: c.gpu_memory_gb)
     for extra in range(1, 4 * len(active) + 64):
         more = active + [Card(f"{big.kind}-extra{j}", big.kind, big.gpu_memory_gb, big.bandwidth_gbs)
@@ -362,8 +396,11 @@ def _refusal(cfg, active, memory, formats, U, caps, const, suggest: bool) -> str
             break
     if biggest + const > max(caps):
         l = U.layer[int(np.argmax(np.diff(U.mem)))]
-        head += (f"; layer {l}'s attention with its caches alone needs {(biggest + const) / GiB:.1f} GiB, more than "
-                 f"the largest card ({max(caps) / GiB:.1f} GiB), so more cards cannot help")
+        work = workspace_bytes(cfg, memory.prefill_chunk)
+        head += (f"; layer {l}'s largest indivisible piece needs {(biggest + const) / GiB:.2f} GiB (its attention "
+                 f"and caches {biggest / GiB:.2f} + prefill workspace {work / GiB:.2f} + CUDA reserve "
+                 f"{memory.overhead_gb:.2f}, --overhead-gb), more than the largest card ({max(caps) / GiB:.2f} GiB), "
+                 f"so more cards cannot help")
     if not opts:
         return head + "; nothing simple makes it fit (larger cards, fewer sessions or a shorter context)"
     return head + ". It would fit with any one of: " + "; ".join(opts)

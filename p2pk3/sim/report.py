@@ -37,13 +37,23 @@ def to_json(results: list[SimResult], hw: Profile) -> dict:
                         for r in results]}
 
 
+PLOT_NEEDS = "--plot needs matplotlib: pip install -e '.[plot]' (or pip install matplotlib)"
+
+
+def require_matplotlib() -> None:
+    """Raise RuntimeError naming the extra to install when matplotlib is missing (before any work)."""
+    import importlib.util
+    if importlib.util.find_spec("matplotlib") is None:
+        raise RuntimeError(PLOT_NEEDS)
+
+
 def plot(results: list[SimResult], path: str, title: str = "") -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise RuntimeError("--plot needs matplotlib: pip install matplotlib (or pip install -e '.[train]')") from None
+        raise RuntimeError(PLOT_NEEDS) from None
     xs = [r.streams for r in results]
     fig, ax = plt.subplots(figsize=(7, 4.2))
     ax.plot(xs, [r.aggregate_tps for r in results], "o-", color="tab:blue", label="aggregate tokens/s")

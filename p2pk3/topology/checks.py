@@ -14,7 +14,7 @@ from p2pk3.model.config import K3Config
 
 from .plans import SlotPlan
 from .ranges import format_ranges
-from .sizing import estimate_slot_bytes, weight_bytes
+from .sizing import estimate_slot_bytes, runtime_items, weight_bytes
 from .specs import GiB, MemorySpec, ModelSpec, Slot
 
 
@@ -227,13 +227,44 @@ def slot_needs(topo: Ring, cfg: K3Config, weight_bytes_fn: WeightBytesFn | None 
 def memory_fit(topo: Ring, cfg: K3Config, need: dict[str, int], estimated: bool = True) -> list[str]:
     errs = []
     for s in topo.active:
-        n = need[s.id]
-        if n > (s.gpu_memory_gb or 0) * GiB:
-            w = weight_bytes(cfg, topo.slot_plan(s, cfg), topo.model.formats) if estimated else n
-            errs.append(f"slot {s.id} needs about {n / GiB:.1f} GiB (weights {w / GiB:.1f} GiB + caches and "
-                        f"workspace {(n - w) / GiB:.1f} GiB) but has gpu_memory_gb = {s.gpu_memory_gb:g}: "
-                        f"give it fewer layers/experts")
+        n, cap = need[s.id], (s.gpu_memory_gb or 0) * GiB
+        if n > cap:
+            plan = topo.slot_plan(s, cfg)
+            w = weight_bytes(cfg, plan, topo.model.formats) if estimated else n
+            parts = {"weights": w, "caches": 0, "workspace": 0, "reserve": 0}
+            if estimated:
+                for item, _, b in runtime_items(cfg, plan, topo.memory):
+                    key = ("reserve" if item.startswith("CUDA") else "workspace" if item.startswith("activations")
+                           else "caches")
+                    parts[key] += b
+            errs.append(f"slot {s.id} needs about {n / GiB:.2f} GiB ({_itemised(parts)}) but has gpu_memory_gb = "
+                        f"{s.gpu_memory_gb:g}: {_shrink_advice(parts, n - cap, topo.memory)}")
     return errs
+
+
+def _itemised(parts: dict[str, int]) -> str:
+    names = {"weights": "weights", "caches": "caches", "workspace": "prefill workspace",
+             "reserve": "CUDA reserve"}
+    return " + ".join(f"{names[k]} {b / GiB:.2f} GiB" for k, b in parts.items() if b or k == "weights")
+
+
+def _shrink_advice(parts: dict[str, int], over: int, memory: MemorySpec) -> str:
+    """What would free `over` bytes on one card, given what its memory holds (weights, caches, workspace,
+    reserve in bytes): only the items big enough to make the difference alone."""
+    opts = []
+    if parts["weights"] >= over:
+        opts.append("fewer layers/experts")
+    if parts["caches"] >= over:
+        opts.append("fewer [memory] sessions or a shorter context")
+    if parts["workspace"] >= over:
+        opts.append("a smaller [memory] prefill_chunk")
+    if parts["reserve"] >= over:
+        fits = int(max(0, parts["reserve"] - over) / GiB * 100) / 100
+        opts.append(f"a CUDA reserve of at most {fits:g} GiB ([memory] overhead_gb, now {memory.overhead_gb:g}; "
+                    f"`p2pk3 plan --overhead-gb`)")
+    if not opts:
+        return "a larger card, or less of several of these"
+    return "it would fit with " + ", or ".join(opts)
 
 
 def standby_capacity(topo: Ring, need: dict[str, int]) -> list[str]:

@@ -134,8 +134,6 @@ def _parse_model(d: Mapping[str, Any], errs: list[str]) -> ModelSpec:
             model.formats = parse_formats(m["formats"])
         except FormatError as e:
             errs.append(f"[model]: {e}")
-    if model.path and model.repo:
-        errs.append("[model]: give either path or repo, not both")
     if model.revision and not model.repo:
         errs.append("[model]: revision needs repo")
     return model

@@ -105,6 +105,14 @@ class Topology:
                                 f"(`p2pk3 secret --out {p}` writes 64 hex characters)", self.source)
         return data
 
+    def secret_problem(self) -> str | None:
+        """Why the nodes of this topology would refuse to start for want of a secret (None: it is usable)."""
+        try:
+            self.secret()
+        except TopologyError as e:
+            return "; ".join(e.errors) + " (every node refuses to start without it)"
+        return None
+
     def model_config(self) -> K3Config:
         if self.model.preset:
             return _preset(self.model.preset)

@@ -74,6 +74,13 @@ Greedy samples (this checkpoint):
 
 {samples_md}
 
+## Integrity
+
+`p2pk3-manifest.json` beside the weights records the size and SHA-256 of every file here but this card;
+`p2pk3 generate`, `p2pk3 local` and every node check the shards against it at load, as they check a
+downloaded model (a changed shard stops them, naming the file). A retrained or re-exported model must
+regenerate it: `p2pk3 manifest p2pk3/assets/tiny-k3-pydoc` (tests/test_cli_plan_deploy.py fails until it matches).
+
 ## License / provenance
 
 Weights trained by p2pk3 from random initialisation. Training text: the Python documentation shipped with
