@@ -15,7 +15,7 @@ class UserError(click.ClickException):
 
 
 def model_dir(model: str | None, param: str = "--model") -> Path:
-    from p2pk3.engine.reference import default_model_dir
+    from p2pk3 import default_model_dir
     p = Path(model) if model else default_model_dir()
     if not p.is_dir():
         raise click.BadParameter(f"{p}: no such directory", param_hint=param)

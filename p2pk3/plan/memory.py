@@ -81,9 +81,9 @@ def _class_bytes(specs, formats: dict[str, str]) -> dict[tuple[str, str], int]:
         fmt = formats.get(c, "shipped") if c != "norms" else "shipped"
         bpp = FORMATS[fmt]
         if bpp is None:
-            label = "mxfp4" if c == "routed_experts" and s.dtype.itemsize == 1 else str(s.dtype).replace("torch.", "")
+            label = "mxfp4" if c == "routed_experts" and s.itemsize == 1 else s.dtype_name
             label = {"bfloat16": "bf16", "float32": "fp32"}.get(label, label)
-            b = n * s.dtype.itemsize
+            b = n * s.itemsize
         else:
             label, b = fmt, int(round(n * bpp))
         out[(c, label)] = out.get((c, label), 0) + b

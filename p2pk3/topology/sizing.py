@@ -15,7 +15,7 @@ from .specs import GiB, MemorySpec
 
 def nbytes(specs: Mapping[str, Any]) -> int:
     """Bytes of a tensor inventory (name -> TensorSpec) as the checkpoint stores it."""
-    return sum(math.prod(s.shape) * s.dtype.itemsize for s in specs.values())
+    return sum(math.prod(s.shape) * s.itemsize for s in specs.values())
 
 
 def slot_tensors(cfg: K3Config, plan: SlotPlan) -> dict[str, Any]:

@@ -1,0 +1,54 @@
+"""Issue 26 ("every command behaves, round two"): what a new user still hit, one test per item (the item
+numbers are the issue's). In-process with click's runner where it can, subprocesses for start-up cost,
+signals and rings."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from p2pk3.cli import main
+from p2pk3.engine.reference import default_model_dir
+
+MODEL = default_model_dir()
+ENV = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+
+
+def cli(*args, input=None):
+    r = CliRunner().invoke(main, [str(a) for a in args], input=input, catch_exceptions=True)
+    if r.exception is not None and not isinstance(r.exception, SystemExit):
+        raise AssertionError(f"p2pk3 {' '.join(map(str, args))} raised {r.exception!r}:\n{r.output}")
+    return r
+
+
+def _topology(tmp_path, nodes: int = 2, **kw) -> Path:
+    out = tmp_path / "topology.toml"
+    r = cli("topology", "init", "--nodes", nodes, "--out", out, *[a for k, v in kw.items() for a in (f"--{k}", v)])
+    assert r.exit_code == 0, r.output
+    return out
+
+
+# ------------------------------------------------------------------------------ 10: lazy imports
+def _imports_torch(args: list[str]) -> bool:
+    code = ("import sys\nfrom p2pk3.cli import main\n"
+            f"try:\n    main({args!r})\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout.strip().splitlines()[-1] == "TORCH"
+
+
+def test_commands_that_do_not_run_the_model_do_not_import_torch(tmp_path):
+    topo = _topology(tmp_path)
+    for args in (["--help"], ["secret", "--out", str(tmp_path / "k")], ["topology", "init", "--nodes", "2"],
+                 ["topology", "check", str(topo)], ["systemd", "--topology", str(topo), "--out", str(tmp_path / "u")],
+                 ["local", "--help"], ["chat", "--help"]):
+        assert not _imports_torch(args), f"p2pk3 {' '.join(args)} imports torch"
