@@ -130,7 +130,7 @@ def _prompt(app, req: GenRequest) -> Prompt:
         if e.field == "prompt":
             raise bad_param("messages" if req.kind == "chat" else "prompt", str(e)) from None
         if e.field == "max_tokens":
-            raise bad_param("max_completion_tokens" if req.kind == "chat" else "max_tokens", str(e)) from None
+            raise bad_param(req.max_tokens_field, str(e)) from None
         raise bad_param(e.field, str(e)) from None
 
 
