@@ -52,3 +52,17 @@ def test_commands_that_do_not_run_the_model_do_not_import_torch(tmp_path):
                  ["topology", "check", str(topo)], ["systemd", "--topology", str(topo), "--out", str(tmp_path / "u")],
                  ["local", "--help"], ["chat", "--help"]):
         assert not _imports_torch(args), f"p2pk3 {' '.join(args)} imports torch"
+
+
+# ------------------------------------------------------------------------------ 20: options that contradict
+def test_contradicting_or_misplaced_options_are_refused(tmp_path):
+    topo = _topology(tmp_path)
+    r = cli("node", "--topology", topo, "--slot", "s0", "--heartbeat", "5", "--dead-after", "1")
+    assert r.exit_code == 2 and "--dead-after" in r.output and "two heartbeats" in r.output, r.output
+    key = tmp_path / "key"
+    key.write_text("k" * 32)
+    r = cli("local", "--api-key-file", key)
+    assert r.exit_code == 2 and "give --api too" in r.output, r.output
+    readme = Path(__file__).resolve().parent.parent / "README.md"
+    r = cli("generate", "--prompt", "hi", "--model", readme)
+    assert r.exit_code == 2 and "is a file; give the model's directory" in r.output, r.output

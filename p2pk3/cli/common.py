@@ -17,6 +17,9 @@ class UserError(click.ClickException):
 def model_dir(model: str | None, param: str = "--model") -> Path:
     from p2pk3 import default_model_dir
     p = Path(model) if model else default_model_dir()
+    if p.exists() and not p.is_dir():
+        raise click.BadParameter(f"{p} is a file; give the model's directory (the folder holding config.json)",
+                                 param_hint=param)
     if not p.is_dir():
         raise click.BadParameter(f"{p}: no such directory", param_hint=param)
     if not (p / "config.json").exists():

@@ -32,7 +32,7 @@ def _stop_on_signals(stop):
 @click.option("--heartbeat", type=click.FloatRange(min=0.05), default=0.5, show_default=True,
               help="failure detector ping period, seconds")
 @click.option("--dead-after", type=click.FloatRange(min=0.2), default=2.5, show_default=True,
-              help="a peer that has not answered for this many seconds is dead")
+              help="a peer that has not answered for this many seconds is dead (at least 2 heartbeats)")
 @click.option("--drop-beacons", is_flag=True, hidden=True, help="fault injection: received beacons are lost")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
               help="serve Prometheus metrics on http://HOST:PORT/metrics (off by default)")
@@ -52,6 +52,9 @@ def node(topology_path, slot, standby, host, port, dtype, device, max_sessions, 
 
     from .run import _check_device
 
+    if dead_after < 2 * heartbeat:
+        raise click.BadParameter(f"{dead_after:g} s is less than two heartbeats ({heartbeat:g} s each): every peer would "
+                                 f"look dead between two pings; give at least {2 * heartbeat:g}", param_hint="--dead-after")
     logging.basicConfig(level=logging.DEBUG if verbose > 1 else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     topo = Topology.load(topology_path)
@@ -139,6 +142,8 @@ def local(model, nodes, standby, state_file, dtype, prompt, open_chat, api_addr,
 
     from .common import check_writable
 
+    if api_key_file and not api_addr:
+        raise click.UsageError("--api-key-file protects the API of --api HOST:PORT: give --api too (or drop the key)")
     mdir = model_dir(model)
     check_writable(state_file, "--state")
     api_host, api_port = _host_port(api_addr, "--api") if api_addr else (None, None)
