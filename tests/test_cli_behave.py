@@ -66,3 +66,47 @@ def test_contradicting_or_misplaced_options_are_refused(tmp_path):
     readme = Path(__file__).resolve().parent.parent / "README.md"
     r = cli("generate", "--prompt", "hi", "--model", readme)
     assert r.exit_code == 2 and "is a file; give the model's directory" in r.output, r.output
+
+
+# ------------------------------------------------------------------------------ 12, 13: the dashboard
+def test_dashboard_json_prints_one_document_unless_asked_to_follow(tmp_path):
+    topo = _topology(tmp_path)  # nothing listens there: every slot is dead, the document says so
+    base = [sys.executable, "-m", "p2pk3.cli", "dashboard", "--topology", str(topo), "--interval", "0.2",
+            "--timeout", "0.2"]
+    r = subprocess.run(base + ["--json"], capture_output=True, text=True, env=ENV, timeout=60)
+    assert r.returncode == 0, r.stderr
+    (doc,) = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [s["state"] for s in doc["slots"]] == ["dead", "dead"] and doc["totals"]["up"] == 0
+    p = subprocess.Popen(base + ["--json", "--follow"], stdout=subprocess.PIPE, text=True, env=ENV)
+    try:
+        lines = [json.loads(p.stdout.readline()) for _ in range(3)]  # JSON lines, one per poll
+        assert all(d["slots"] for d in lines) and p.poll() is None
+    finally:
+        p.kill()
+        p.wait(10)
+    r = cli("dashboard", "--topology", topo, "--follow")
+    assert r.exit_code == 2 and "--follow is for --json" in r.output
+
+
+def test_dashboard_counts_a_healthy_standby_as_up(tmp_path, monkeypatch):
+    from p2pk3.cli.dashboard import render
+    from p2pk3.frontends import cluster_view
+    from p2pk3.topology import Topology
+    from rich.console import Console
+
+    topo = Topology.load(_topology(tmp_path, nodes=2, standby=1))
+    roles = {s.port: (s.id, "standby" if s.standby else "entry" if i == 0 else "stage")
+             for i, s in enumerate(topo.slots)}
+
+    async def fake_probe(addr, secret, timeout=1.0):
+        slot, role = roles[addr[1]]
+        return cluster_view.Probe(addr, {"slot": slot, "role": role, "node": f"{slot}@x", "epoch": 1,
+                                         "address": list(addr)}, rtt_ms=0.1)
+    monkeypatch.setattr(cluster_view, "probe", fake_probe)
+    import asyncio
+    snap = asyncio.run(cluster_view.ClusterView(topo, b"x" * 32).poll())
+    assert [r["state"] for r in snap["slots"]] == ["up", "up", "standby"]
+    assert snap["totals"]["up"] == 3 == snap["totals"]["nodes"]
+    console = Console(width=200, record=True)
+    console.print(render(snap))
+    assert "2/2 slots serving + 1 standby" in console.export_text()
