@@ -110,3 +110,50 @@ def test_dashboard_counts_a_healthy_standby_as_up(tmp_path, monkeypatch):
     console = Console(width=200, record=True)
     console.print(render(snap))
     assert "2/2 slots serving + 1 standby" in console.export_text()
+
+
+# ------------------------------------------------------------------------------ 16: words and shapes
+def _help(*args) -> str:
+    r = cli(*args, "--help")
+    assert r.exit_code == 0, r.output
+    return " ".join(r.output.split())  # unwrapped
+
+
+def test_help_names_the_embedded_model_and_every_option_has_a_help_or_default():
+    for cmd in (["generate"], ["local"], ["score"], ["chat"], ["topology", "init"]):
+        text = _help(*cmd)
+        assert "k3-docs" in text and "tiny K3" not in text, (cmd, text)
+    assert "--port INTEGER RANGE listen port" in _help("node")
+    plan = _help("plan")
+    assert "--prefill-chunk INTEGER RANGE prompt tokens per prefill pass" in plan
+    assert "--stage-overhead-us FLOAT RANGE fixed time per stage" in plan
+    sim = _help("simulate")
+    for opt, default in (("--prompt", "rtx5090: 1024"), ("--new-tokens", "rtx5090: 256"),
+                         ("--context", "rtx5090: 32768"), ("--act", "rtx5090: bf16"), ("--hardware", "rtx5090.toml")):
+        part = sim.split(opt + " ", 1)[1].split(" --", 1)[0]
+        assert "[default:" in part and default in part, (opt, part)
+
+
+def test_counts_take_the_right_plural_and_the_chats_share_one_banner():
+    from p2pk3.cli.common import plural
+    from p2pk3.frontends.repl import banner
+    assert [plural(1, "daemon"), plural(2, "daemon"), plural(1, "standby", "standbys")] == \
+        ["1 daemon", "2 daemons", "1 standby"]
+    import inspect
+    from p2pk3.cli import chat, ring
+    for mod in (chat, ring):  # both chats greet through the one banner
+        assert "banner(" in inspect.getsource(mod) and "to leave" not in inspect.getsource(mod)
+    assert "/quit" in banner("k3-docs") and "Ctrl-D" in banner("k3-docs")
+
+
+def test_usage_errors_and_long_errors_are_one_short_line():
+    for args, match in ((["generate", "--prompt", "hi", "--max-tokens", "-1"], "--max-tokens"),
+                        (["generate", "--bogus"], "No such option"),
+                        (["topology", "init"], "--nodes"),
+                        (["generate", "--prompt", "hi", "--temperature", "x" * 2000], "--temperature")):
+        r = subprocess.run([sys.executable, "-m", "p2pk3.cli", *args], capture_output=True, text=True, env=ENV,
+                           timeout=120)
+        assert r.returncode == 2 and r.stdout == "", r
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and match in lines[0] and len(lines[0]) <= 340, r.stderr
+        assert lines[0].endswith(f"(p2pk3 {' '.join(a for a in args[:2] if not a.startswith('-'))} --help)"), lines

@@ -6,7 +6,7 @@ import logging
 import click
 
 from . import main
-from .common import MODEL_HELP, model_dir, topology_model_dir
+from .common import MODEL_HELP, model_dir, plural, topology_model_dir
 from .options import sampling_options, speculation_options, topology_option
 
 
@@ -55,7 +55,7 @@ def chat(topology_path, address, secret_file, local_nodes, model, system, histor
     from dataclasses import replace
 
     from p2pk3.frontends.prompt import PromptBuilder
-    from p2pk3.frontends.repl import run_chat
+    from p2pk3.frontends.repl import banner, run_chat
     from p2pk3.node.client import Client
 
     logging.getLogger("p2pk3").addHandler(logging.NullHandler())  # errors are said in the chat, not logged
@@ -83,7 +83,7 @@ def chat(topology_path, address, secret_file, local_nodes, model, system, histor
         from p2pk3.node.local import LocalRing
         if local_nodes > K3Config.from_pretrained(mdir).num_hidden_layers:
             raise click.BadParameter("more nodes than the model has layers", param_hint="--local")
-        click.echo(f"starting a local ring of {local_nodes} daemons ...", err=True)
+        click.echo(f"starting a local ring of {plural(local_nodes, 'daemon')} ...", err=True)
         ring = LocalRing(mdir, local_nodes).start()
         factory = ring.client
     elif address:
@@ -96,7 +96,7 @@ def chat(topology_path, address, secret_file, local_nodes, model, system, histor
         factory = lambda: Client.for_topology(topo, secret)  # noqa: E731
     try:
         run_chat(factory, prompts, sampling, system=system, history_file=history,
-                 banner=f"p2pk3 chat with {mdir.name}: /help for commands, Ctrl-D to leave")
+                 banner=banner(mdir.name))
     finally:
         if ring is not None:
             ring.__exit__(None, None, None)

@@ -6,8 +6,13 @@ from pathlib import Path
 
 import click
 
-MODEL_HELP = "model directory (HF layout); default: the embedded tiny K3"
+MODEL_HELP = "model directory (HF layout); default: the embedded k3-docs"
 DTYPES = ["float32", "bfloat16"]
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """`1 daemon`, `2 daemons` (`many`: an irregular plural)."""
+    return f"{n} {word if n == 1 else many or word + 's'}"
 
 
 class UserError(click.ClickException):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import click
 
 from . import main
-from .common import DTYPES, MODEL_HELP, UserError, build_prompt, model_dir, run_async, topology_model_dir
+from .common import DTYPES, MODEL_HELP, UserError, build_prompt, model_dir, plural, run_async, topology_model_dir
 from .options import sampling_options, speculation_options, topology_option
 
 
@@ -21,7 +21,8 @@ def _stop_on_signals(stop):
 @click.option("--slot", help="the slot this daemon claims")
 @click.option("--standby", is_flag=True, help="run as a hot spare on a standby slot (takes over a dead slot)")
 @click.option("--host", default=None, help="listen address (default: the slot's host, else 0.0.0.0)")
-@click.option("--port", type=click.IntRange(0, 65535), default=None)
+@click.option("--port", type=click.IntRange(0, 65535), default=None,
+              help="listen port (default: the slot's port in the topology; 0: any free port)")
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
 @click.option("--device", default=None, help="torch device (default: cuda if available, else cpu)")
 @click.option("--max-sessions", type=click.IntRange(min=1), default=32, show_default=True)
@@ -152,7 +153,8 @@ def local(model, nodes, standby, state_file, dtype, prompt, open_chat, api_addr,
         raise click.BadParameter(f"{nodes} nodes but the model has only {L} layers (one node per layer at most)",
                                  param_hint="--nodes")
     ring = LocalRing(mdir, nodes, dtype=dtype, standby=standby)
-    click.echo(f"starting {nodes} daemons{f' and {standby} standbys' if standby else ''} for {mdir} ...")
+    spares = f" and {plural(standby, 'standby', 'standbys')}" if standby else ""
+    click.echo(f"starting {plural(nodes, 'daemon')}{spares} for {mdir} ...")
     stopping = []
 
     def on_signal(signum, frame):
@@ -174,9 +176,9 @@ def local(model, nodes, standby, state_file, dtype, prompt, open_chat, api_addr,
                 click.echo(f"  slot {s.id}: {what} at {s.host}:{s.port}")
             if open_chat and prompt is None and sys.stdin.isatty():
                 from p2pk3.frontends.prompt import PromptBuilder
-                from p2pk3.frontends.repl import run_chat
-                click.echo("chat with the ring: /help for commands, /quit to stop")
-                run_chat(ring.client, PromptBuilder.from_pretrained(mdir), sampling)
+                from p2pk3.frontends.repl import banner, run_chat
+                run_chat(ring.client, PromptBuilder.from_pretrained(mdir), sampling,
+                         banner=banner(f"{mdir.name} on the ring"))
                 return
             if open_chat and prompt is None:  # no terminal: one scripted exchange
                 prompt = SCRIPTED_QUESTION

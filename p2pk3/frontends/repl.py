@@ -49,6 +49,11 @@ a line ending in \\ continues on the next line; \"\"\" opens and closes a multi-
 Ctrl-C stops an answer"""
 
 
+def banner(model: str) -> str:
+    """The one greeting of every chat (p2pk3 chat, p2pk3 local --chat) on a terminal."""
+    return f"chat with {model}: /help for commands, /quit or Ctrl-D to leave, Ctrl-C stops an answer"
+
+
 class CommandError(ValueError):
     """A slash command used wrongly (said in one line; the REPL goes on)."""
 

@@ -237,7 +237,8 @@ class Coordinator:
             await self.d.broadcast(retain_frame(live), stages_only=True)
             self.d.retain(dict(live))
             entry.resume()
-            log.warning("%s: %d sessions continue", why, len(live))
+            log.warning("%s: %d session%s continue%s", why, len(live), "" if len(live) == 1 else "s",
+                        "s" if len(live) == 1 else "")
         self.events.append({"event": "recovered", "t": time.time()})
 
     # ------------------------------------------------------------------ standby side
