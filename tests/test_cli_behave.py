@@ -157,3 +157,30 @@ def test_usage_errors_and_long_errors_are_one_short_line():
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and match in lines[0] and len(lines[0]) <= 340, r.stderr
         assert lines[0].endswith(f"(p2pk3 {' '.join(a for a in args[:2] if not a.startswith('-'))} --help)"), lines
+
+
+# ------------------------------------------------------------------------------ 18: a cancel is not a failure
+def test_a_cancelled_request_is_no_failure_and_stats_show_the_stopped_answer():
+    import io
+
+    from p2pk3.frontends.prompt import PromptBuilder, SamplingOverrides
+    from p2pk3.frontends.repl import Chat, stats_text
+    from p2pk3.node.entry import Entry
+    from p2pk3.params import SamplingParams
+
+    entry = Entry(lambda work: None, lambda sessions: None)
+    s = entry.submit([1, 2, 3], SamplingParams(max_tokens=8))
+    entry.cancel(s.id, "cancelled by the client")  # what serving.py does on a cancel frame or a disconnect
+    assert (entry.failed, entry.cancelled) == (0, 1)
+    s = entry.submit([1, 2, 3], SamplingParams(max_tokens=8))
+    entry.fail_all("slot s1 is down")
+    assert (entry.failed, entry.cancelled) == (1, 1)
+
+    chat = Chat(None, PromptBuilder.from_pretrained(MODEL), SamplingOverrides(), system=None, out=io.StringIO(),
+                err=io.StringIO(), interactive=True)
+    chat.finish("first", [5, 6], {"ttft_s": 0.01, "decode_tokens_per_s": 50.0, "prompt_tokens": 9, "total_s": 0.2})
+    assert "prompt 9 tokens" in stats_text(chat.conv)
+    chat.finish("second", [7, 8, 9], None)  # Ctrl-C after three tokens
+    text = stats_text(chat.conv, {"slot": "s0", "finished": 1, "cancelled": 1, "failed": 0})
+    assert "last answer: stopped after 3 tokens" in text and "prompt 9 tokens" not in text, text
+    assert "1 stopped by their client, 0 failed" in text, text

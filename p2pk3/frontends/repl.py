@@ -133,13 +133,16 @@ def stats_text(conv: Conversation, status: dict | None = None) -> str:
         shown = [f"{k} {'default' if v is None else f'{v:g}'}" for k, v in
                  (("temperature", a.temperature), ("top_k", a.top_k), ("top_p", a.top_p), ("max", a.max_tokens))]
         lines.append("sampling (default: the model's generation_config): " + ", ".join(shown))
-    if conv.last:
+    if conv.last and conv.last.get("stopped"):
+        lines.append(f"last answer: stopped after {conv.last['generated_tokens']} tokens (no timings)")
+    elif conv.last:
         s = conv.last
         lines.append("last answer: " + footer(s, s.get("generated_tokens", 0))[1:-1]
                      + f" · prompt {s.get('prompt_tokens', '?')} tokens · total {s.get('total_s') or 0:.2f} s")
     if status:
         lines.append(f"entry {status.get('slot')} ({status.get('node')}): {status.get('live_sessions', 0)} live "
-                     f"sessions, {status.get('finished', 0)} finished, {status.get('failed', 0)} failed, "
+                     f"sessions, {status.get('finished', 0)} finished, {status.get('cancelled', 0)} stopped by "
+                     f"their client, {status.get('failed', 0)} failed, "
                      f"{status.get('tokens', 0)} tokens computed")
     return "\n".join(lines)
 
@@ -256,6 +259,7 @@ class Chat:
         self.out.write("\n")
         if stats is None:
             self.conv.stopped += 1
+            self.conv.last = {"stopped": True, "generated_tokens": len(got)}
             self.say(f"[stopped after {len(got)} tokens]", err=not self.interactive)
         else:
             self.conv.last = dict(stats, generated_tokens=len(got))
