@@ -29,8 +29,26 @@ def cli(*args, input=None):
     return r
 
 
+def _free_base_port(n: int) -> int:
+    """A port p with p .. p+n-1 free now (nothing of another test listens there)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n > 65535:
+            continue
+        try:
+            socks = [socket.create_server(("127.0.0.1", base + i)) for i in range(n)]
+        except OSError:
+            continue
+        for s in socks:
+            s.close()
+        return base
+
+
 def _topology(tmp_path, nodes: int = 2, **kw) -> Path:
     out = tmp_path / "topology.toml"
+    kw.setdefault("base-port", _free_base_port(nodes + int(kw.get("standby", 0))))
     r = cli("topology", "init", "--nodes", nodes, "--out", out, *[a for k, v in kw.items() for a in (f"--{k}", v)])
     assert r.exit_code == 0, r.output
     return out
@@ -184,3 +202,43 @@ def test_a_cancelled_request_is_no_failure_and_stats_show_the_stopped_answer():
     text = stats_text(chat.conv, {"slot": "s0", "finished": 1, "cancelled": 1, "failed": 0})
     assert "last answer: stopped after 3 tokens" in text and "prompt 9 tokens" not in text, text
     assert "1 stopped by their client, 0 failed" in text, text
+
+
+# ------------------------------------------------------------------------------ 7: no ring, wrong secret
+def test_chat_says_at_once_which_address_refused_and_why(tmp_path):
+    import asyncio
+    import threading
+
+    from p2pk3.topology import Topology
+    from p2pk3.transport.connection import serve
+
+    topo_path = _topology(tmp_path, nodes=2)
+    topo = Topology.load(topo_path)
+    t0 = time.monotonic()
+    r = cli("chat", "--topology", topo_path, "--no-history", input="hi\n")
+    took = time.monotonic() - t0
+    first = "%s:%d" % (topo.slots[0].host, topo.slots[0].port)
+    assert r.exit_code == 1 and f"{first}: connection refused" in r.output and "is the node up?" in r.output, r.output
+    assert took < 2.0 and len(r.output.strip().splitlines()) == 1, (took, r.output)
+
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+    servers = []
+
+    async def listen():  # every slot's address answers, with another cluster's secret
+        for s in topo.slots:
+            servers.append(await serve(s.host, s.port, b"another cluster's secret!", s.id, lambda conn: None))
+        started.set()
+    threading.Thread(target=lambda: (loop.run_until_complete(listen()), loop.run_forever()), daemon=True).start()
+    try:
+        assert started.wait(10)
+        t0 = time.monotonic()
+        r = cli("chat", "--topology", topo_path, "--no-history", input="hi\n")
+        took = time.monotonic() - t0
+    finally:
+        for srv in servers:
+            loop.call_soon_threadsafe(srv.close)
+        loop.call_soon_threadsafe(loop.stop)
+    assert r.exit_code == 1 and f"{first}: refused the handshake: authentication failed: wrong cluster secret" \
+        in r.output and len(r.output) < 340, r.output
+    assert took < 2.0, (took, r.output)

@@ -7,7 +7,7 @@ import logging
 import click
 
 from . import main
-from .options import topology_option
+from .options import state_option, topology_of_state, topology_option
 from .common import run_async
 
 STATE_STYLE = {"up": "green", "loading": "yellow", "standby": "cyan", "moved": "dim", "dead": "bold red",
@@ -56,7 +56,8 @@ def render(snap: dict):
 
 
 @main.command()
-@topology_option()
+@topology_option(required=False)
+@state_option()
 @click.option("--once", is_flag=True, help="print one frame and exit")
 @click.option("--json", "as_json", is_flag=True, help="print one snapshot as a JSON document and exit")
 @click.option("--follow", is_flag=True, help="with --json: one JSON document per line every --interval (JSON lines) "
@@ -65,7 +66,7 @@ def render(snap: dict):
               help="seconds between polls (rates are deltas between two polls)")
 @click.option("--timeout", type=click.FloatRange(min=0.05), default=1.0, show_default=True,
               help="a node that does not answer a status probe within this many seconds is unreachable")
-def dashboard(topology_path, once, as_json, follow, interval, timeout):
+def dashboard(topology_path, state_file, once, as_json, follow, interval, timeout):
     """Live view of the ring: each slot's node, state, layers, sessions, queue, rates, latencies, memory.
     `--once` prints one frame, `--json` one JSON document (`--json --follow`: JSON lines)."""
     import asyncio
@@ -77,6 +78,10 @@ def dashboard(topology_path, once, as_json, follow, interval, timeout):
     from p2pk3.topology import Topology
 
     logging.getLogger("p2pk3").addHandler(logging.NullHandler())  # unreachable nodes are shown, not logged
+    if bool(topology_path) == bool(state_file):
+        raise click.UsageError("give --topology FILE, or --state FILE of a running `p2pk3 local`")
+    if state_file:
+        topology_path = topology_of_state(state_file)
     if follow and not as_json:
         raise click.UsageError("--follow is for --json (the table is live already)")
     once = once or (as_json and not follow)

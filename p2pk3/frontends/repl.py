@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Awaitable, Callable, TextIO
 
-from p2pk3.node.client import RequestError
+from p2pk3.node.client import RequestError, why
 from p2pk3.params import MAX_TEMPERATURE, SamplingParams
 
 from .prompt import PromptBuilder, PromptError, SamplingOverrides
@@ -291,8 +291,10 @@ def run_chat(client_factory: Callable[[], Awaitable], prompts: PromptBuilder,
     with runner:
         try:
             runner.run(chat.connect())
-        except (RequestError, OSError, TimeoutError) as e:
-            raise ConnectionError(f"could not reach the cluster: {e}") from None
+        except RequestError as e:
+            raise ConnectionError(f"could not reach the cluster: {e.message}") from None
+        except (OSError, TimeoutError) as e:
+            raise ConnectionError(f"could not reach the cluster: {why(e)}") from None
         if banner and interactive:
             chat.say(banner)
         try:
