@@ -242,3 +242,152 @@ def test_chat_says_at_once_which_address_refused_and_why(tmp_path):
     assert r.exit_code == 1 and f"{first}: refused the handshake: authentication failed: wrong cluster secret" \
         in r.output and len(r.output) < 340, r.output
     assert took < 2.0, (took, r.output)
+
+
+# ------------------------------------------------------------------------------ 8: local --prompt streams
+def test_local_prompt_streams_and_ctrl_c_keeps_the_partial_answer(monkeypatch):
+    import p2pk3.node.local as local
+    from p2pk3.frontends.prompt import PromptBuilder
+
+    tok = PromptBuilder.from_pretrained(MODEL).tok
+    words = tok.encode(" with opens a context manager")
+
+    class Interrupted:
+        async def generate(self, ids, params, on_token=None, **kw):
+            for t in words:
+                on_token(t)
+            raise KeyboardInterrupt  # Ctrl-C while the answer streams
+
+        def close(self):
+            pass
+
+    class FakeRing:
+        entry_addr, topology, log_dir, failed, procs = ("127.0.0.1", 1), "ring.toml", "/tmp", False, {}
+        topo = type("T", (), {"slots": [], "active": []})()
+
+        def __init__(self, *a, **kw):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def exited(self):
+            return []
+
+        async def client(self):
+            return Interrupted()
+    monkeypatch.setattr(local, "LocalRing", FakeRing)
+    r = cli("local", "--nodes", 2, "--prompt", "What does with do?")
+    assert "with opens a context manager" in r.output, r.output  # what came before Ctrl-C is on the terminal
+    assert f"[stopped after {len(words)} tokens]" in r.output and "stopping ..." in r.output, r.output
+
+
+# ------------------------------------------------------------------------------ 9: what happens to the ring
+def test_ring_events_say_down_taken_over_recovered(tmp_path):
+    from p2pk3.node.local import ring_events
+    from p2pk3.topology import Topology
+
+    topo = Topology.load(_topology(tmp_path, nodes=2, standby=1))
+
+    def doc(*nodes):
+        return {"entry": "127.0.0.1:1", "nodes": [dict(zip(("started_on", "slot", "role", "pid"), n)) for n in nodes]}
+    up = doc(("s0", "s0", "entry", 10), ("s1", "s1", "stage", 11), ("s2", "s2", "standby", 12))
+    down = doc(("s0", "s0", "entry", 10), ("s1", "s1", "dead", 11), ("s2", "s2", "standby", 12))
+    over = doc(("s0", "s0", "entry", 10), ("s2", "s1", "stage", 12), ("s1", "s1", "dead", 11))
+    assert ring_events(None, up, topo) == [] and ring_events(up, up, topo) == []
+    assert ring_events(up, down, topo) == ["node down: slot s1 (pid 11) is dead"]
+    assert ring_events(down, over, topo) == ["taken over: standby s2 (pid 12) serves slot s1 now",
+                                             "recovered: every slot is served again (entry 127.0.0.1:1)"]
+    assert ring_events(over, over, topo) == []
+
+
+# ------------------------------------------------------------------------------ 3: the API port and the state file
+def test_local_refuses_a_busy_api_port_and_a_live_rings_state_file_before_starting(tmp_path):
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        t0 = time.monotonic()
+        r = cli("local", "--nodes", 2, "--api", f"127.0.0.1:{port}")
+        assert r.exit_code == 2 and f"port {port} on 127.0.0.1 is already in use" in r.output, r.output
+        assert "starting" not in r.output and time.monotonic() - t0 < 10, r.output  # before any daemon
+    state = tmp_path / "ring.json"
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        state.write_text(json.dumps({"topology": "x", "pid": owner.pid, "nodes": []}))
+        r = cli("local", "--nodes", 2, "--state", state)
+        assert r.exit_code == 2 and f"running ring (p2pk3 local, pid {owner.pid})" in r.output, r.output
+        assert "starting" not in r.output and json.loads(state.read_text())["pid"] == owner.pid
+    finally:
+        owner.kill()
+        owner.wait(10)
+    from p2pk3.node.local import claim_state_file
+    claim_state_file(state)  # its ring is gone: a stale file, removed so that waiting for it waits for the new one
+    assert not state.exists()
+
+
+def _wait_for(pred, timeout: float, what: str, proc=None):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if pred():
+            return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"{what}: the process ended with {proc.returncode}")
+        time.sleep(0.3)
+    raise AssertionError(f"{what}: not within {timeout} s")
+
+
+def test_local_says_what_happens_and_cleans_up_after_itself(tmp_path):
+    """A ring with a spare: a killed stage is said (down, taken over, recovered) on local's terminal; a
+    second ring cannot take its state file; SIGTERM removes the state file and the work folder."""
+    env = dict(ENV, TMPDIR=str(tmp_path))
+    state = tmp_path / "ring.json"
+    out = open(tmp_path / "local.out", "w+")
+    p = subprocess.Popen([sys.executable, "-m", "p2pk3.cli", "local", "--nodes", "2", "--standby", "1", "--state",
+                          str(state)], stdout=out, stderr=subprocess.STDOUT, env=env, text=True)
+    pids = []
+    try:
+        _wait_for(lambda: state.exists() and state.stat().st_size, 180, "the state file", p)
+        doc = json.loads(state.read_text())
+        pids = [n["pid"] for n in doc["nodes"]]
+        assert doc["pid"] == p.pid and [n["role"] for n in doc["nodes"]] == ["entry", "stage", "standby"], doc
+        r = subprocess.run([sys.executable, "-m", "p2pk3.cli", "local", "--nodes", "2", "--state", str(state)],
+                           capture_output=True, text=True, env=env, timeout=120)
+        assert r.returncode == 2 and "running ring" in r.stderr, r.stderr
+        victim = [n for n in doc["nodes"] if n["role"] == "stage" and n["started_on"] == n["slot"]][0]
+        os.kill(victim["pid"], signal.SIGKILL)
+        text = lambda: (tmp_path / "local.out").read_text()  # noqa: E731
+        _wait_for(lambda: "recovered:" in text(), 90, "the recovery line", p)
+        assert f"node down: slot {victim['slot']} (pid {victim['pid']}) is dead" in text(), text()
+        assert f"taken over: standby s2 (pid {pids[2]}) serves slot {victim['slot']} now" in text(), text()
+        workdir = Path(doc["topology"]).parent
+        p.send_signal(signal.SIGTERM)
+        p.wait(60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert not state.exists(), "the state file outlived its ring"
+    assert not workdir.exists() or not (workdir / "secret").exists()
+
+
+def test_ctrl_c_while_local_starts_leaves_no_folder_with_the_secret(tmp_path):
+    env = dict(ENV, TMPDIR=str(tmp_path))
+    p = subprocess.Popen([sys.executable, "-m", "p2pk3.cli", "local", "--nodes", "2"], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, env=env, text=True)
+    try:
+        assert p.stdout.readline().startswith("starting 2 daemons")
+        _wait_for(lambda: list(tmp_path.glob("p2pk3-local-*/node-*.log")), 60, "the daemons' logs", p)
+        p.send_signal(signal.SIGINT)  # the ring is not up yet
+        p.wait(60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+    assert not list(tmp_path.glob("p2pk3-local-*")), list(tmp_path.rglob("*"))

@@ -18,6 +18,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import secrets
 import time
 from dataclasses import dataclass
@@ -109,7 +110,7 @@ def _model_card(cfg: ApiConfig, created: int) -> dict:
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+    return web.json_response({"status": "ok", "pid": os.getpid()})  # pid: whose API answers (background.py)
 
 
 async def metrics(request: web.Request) -> web.Response:
