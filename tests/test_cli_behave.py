@@ -12,7 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from click.testing import CliRunner
 
 from p2pk3.cli import main
@@ -391,3 +390,23 @@ def test_ctrl_c_while_local_starts_leaves_no_folder_with_the_secret(tmp_path):
             p.kill()
             p.wait(10)
     assert not list(tmp_path.glob("p2pk3-local-*")), list(tmp_path.rglob("*"))
+
+
+# ------------------------------------------------------------------------------ 22: each phrase once
+def test_connection_errors_say_each_phrase_once():
+    from p2pk3.node.client import why
+    from p2pk3.transport.connection import AuthenticationError, ConnectionClosed
+
+    lost = ConnectionClosed("connection lost: [Errno 104] Connection reset by peer")
+    assert why(lost) == "[Errno 104] Connection reset by peer"
+    assert why(ConnectionRefusedError(111, "Connection refused")).startswith("connection refused")
+    auth = AuthenticationError("node 's0' at 127.0.0.1:5 refused the connection: authentication failed: wrong "
+                               "cluster secret [auth_failed]")
+    assert why(auth) == ("refused the handshake: authentication failed: wrong cluster secret (is the topology's "
+                         "secret_file the ring's?)")
+    import inspect
+
+    from p2pk3.node import client, monitor
+    assert 'f"connection lost: {e}"' not in inspect.getsource(client)
+    src = inspect.getsource(monitor)  # the failure detector's reason for a lost heartbeat connection
+    assert "e.reason if isinstance(e, ConnectionClosed)" in src

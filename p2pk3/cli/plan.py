@@ -17,7 +17,7 @@ FORMATS_HELP = ("weight formats per tensor class, e.g. 'non-experts=mxfp8' or 'a
 
 
 def load_config(model: str | None):
-    """A preset name or a model directory (default: the embedded tiny K3)."""
+    """A preset name or a model directory (default: the embedded k3-docs)."""
     from p2pk3.model.config import PRESETS, K3Config
     if model in PRESETS:
         return PRESETS[model], model, None
