@@ -389,7 +389,23 @@ def test_ctrl_c_while_local_starts_leaves_no_folder_with_the_secret(tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait(10)
+    left = _processes_mentioning(str(tmp_path))
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "daemons outlived `p2pk3 local` stopped while starting"
     assert not list(tmp_path.glob("p2pk3-local-*")), list(tmp_path.rglob("*"))
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """Pids whose command line contains `text` (Linux /proc)."""
+    out = []
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            if text in (d / "cmdline").read_bytes().decode(errors="replace"):
+                out.append(int(d.name))
+        except OSError:
+            continue
+    return out
 
 
 # ------------------------------------------------------------------------------ 22: each phrase once

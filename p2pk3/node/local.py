@@ -4,6 +4,7 @@ slot (the `--state` file), and to run `score` / `generate` through such a ring."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -13,6 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -68,6 +70,25 @@ async def probe(addr: tuple[str, int], secret: bytes, timeout: float = 1.0) -> d
         conn.close("probe done")
 
 
+@contextlib.contextmanager
+def _signals_held():
+    """Hold SIGINT / SIGTERM / SIGHUP for the block (main thread only), then deliver the first that came to the
+    handler that was in place."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    old = {sig: signal.signal(sig, lambda n, frame: came.append(n)) for sig in sigs}
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+        if came:
+            signal.raise_signal(came[0])
+
+
 class LocalRing:
     """Start N `p2pk3 node` processes (and S standbys); `stop()` ends them all, also on failure."""
 
@@ -108,12 +129,13 @@ class LocalRing:
         s = self.topo.slot(slot)
         log = open(self.log_path(slot), "a")
         role = ["--standby"] if s.standby else []
-        p = subprocess.Popen(
-            [sys.executable, "-P", "-m", "p2pk3.cli", "node", "--topology", str(self.topology), "--slot", slot,
-             *role, "--dtype", self.dtype, "--no-discovery", *self.extra],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=self.workdir)
+        with _signals_held():  # a Ctrl-C between the start and `self.procs` would orphan the daemon
+            p = subprocess.Popen(
+                [sys.executable, "-P", "-m", "p2pk3.cli", "node", "--topology", str(self.topology), "--slot", slot,
+                 *role, "--dtype", self.dtype, "--no-discovery", *self.extra],
+                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=self.workdir)
+            self.procs[slot] = p
         log.close()
-        self.procs[slot] = p
         return p
 
     def start(self, timeout: float = 120.0, *, standbys: bool = True) -> "LocalRing":
