@@ -390,7 +390,7 @@ def test_cluster_errors_map_to_http(tok, tmp_path):
             try:
                 async with aiohttp.ClientSession() as s:
                     async with s.post(url + "/chat/completions",
-                                      json={"messages": chat("hi"), "stream": name == "midstream"}) as r:
+                                      json={"model": MODEL, "messages": chat("hi"), "stream": name == "midstream"}) as r:
                         out[name] = (r.status, await r.text())
             finally:
                 await runner.cleanup()
@@ -413,3 +413,34 @@ def test_serve_cli_errors(tmp_path):
     r = subprocess.run([sys.executable, "-m", "p2pk3.cli", "serve", "--topology", str(topo), "--api-key-file",
                         str(tmp_path / "empty")], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "Traceback" not in r.stderr and "--api-key-file" in r.stderr
+
+
+def test_model_is_required_and_max_tokens_errors_name_the_field_the_request_used(tok):
+    """Issue 26 item 19: a request without `model` is a 400 (OpenAI requires it); a `max_tokens` that does
+    not fit the context is refused naming `max_tokens`, not `max_completion_tokens`."""
+    ctx = 4096
+    q = [{"role": "user", "content": "What is a tuple?"}]
+    cases = [({"messages": q}, "chat", "model"),
+             ({"prompt": "a tuple"}, "", "model"),
+             ({"model": MODEL, "messages": q, "max_tokens": ctx}, "chat", "max_tokens"),
+             ({"model": MODEL, "messages": q, "max_completion_tokens": ctx}, "chat", "max_completion_tokens"),
+             ({"model": MODEL, "prompt": "a tuple", "max_tokens": ctx}, "", "max_tokens")]
+
+    async def go():
+        runner, url = await _serve_app(create_app(FakeCluster([5]), PromptBuilder(tok, ctx), ApiConfig(MODEL)))
+        out = []
+        try:
+            async with aiohttp.ClientSession() as s:
+                for body, kind, _ in cases:
+                    async with s.post(url + ("/chat/completions" if kind else "/completions"), json=body) as r:
+                        out.append((r.status, await r.json()))
+                async with s.post(url + "/chat/completions", json={"model": MODEL, "messages": q}) as r:
+                    out.append((r.status, await r.json()))
+        finally:
+            await runner.cleanup()
+        return out
+    res = asyncio.run(go())
+    for (status, body), (_, _, field) in zip(res, cases):
+        assert status == 400 and body["error"]["param"] == field, (field, body)
+        assert body["error"]["message"].startswith(field + ":"), body
+    assert res[-1][0] == 200, res[-1]

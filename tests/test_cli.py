@@ -231,7 +231,7 @@ def test_readme_main_command_opens_the_chat_on_a_terminal_and_scripts_without_on
     child = pexpect.spawn(sys.executable, ["-m", "p2pk3.cli", "local", "--nodes", "2", "--chat"], encoding="utf-8",
                           timeout=120, dimensions=(40, 160))
     try:
-        child.expect("chat with the ring")
+        child.expect("on the ring: /help for commands, /quit or Ctrl-D to leave")
         child.expect(r"> ")
         child.sendline("What does the with statement do?")
         child.expect(r"tok/s")  # the answer's footer

@@ -72,8 +72,8 @@ def test_a_stopped_node_turns_dead_the_others_stay_up(ring):
     rows = {r["slot"]: r for r in snap["slots"]}
     assert rows["s1"]["state"] in ("dead", "unreachable") and rows["s1"]["tokens_per_s"] is None, rows["s1"]
     assert rows["s0"]["state"] == "up"
-    assert snap["totals"]["up"] == 1
+    assert snap["totals"]["up"] == snap["totals"]["serving"] == 1
     console = Console(width=200, record=True)
     console.print(render(snap))
     text = console.export_text()
-    assert "1/2 up" in text and rows["s1"]["state"] in text and "s0@" in text
+    assert "1/2 slots serving" in text and rows["s1"]["state"] in text and "s0@" in text

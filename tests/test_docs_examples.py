@@ -51,60 +51,68 @@ def _sh(cmd: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=timeout, **kw)
 
 
+def _code(section: str, pattern: str) -> str:
+    """The inline command of the section that matches `pattern` (a regex of the text between backticks)."""
+    return re.search(r"`(" + pattern + r")`", section).group(1)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("jq") is None or shutil.which("curl") is None,
                     reason="the README's examples use jq and curl (apt-get install jq curl)")
 def test_talk_to_a_running_ring_section_as_written(tmp_path):
+    """Every command of the section in the order a user runs them: start and wait, chat, curl, the
+    client, the dashboard's one JSON document, a kill survived (said in the ring's log), the stop."""
     section = README.split("## Talk to a running ring", 1)[1].split("\n## ", 1)[0]
     port = str(18000 + int(time.time()) % 1000)
-    state = str(tmp_path / "ring.json")
-    sub = lambda c: c.replace("/tmp/ring.json", state).replace("127.0.0.1:8000", f"127.0.0.1:{port}")  # noqa: E731
+    state, log = str(tmp_path / "ring.json"), str(tmp_path / "ring.log")
+    sub = lambda c: (c.replace("/tmp/ring.json", state).replace("/tmp/ring.log", log)  # noqa: E731
+                     .replace("127.0.0.1:8000", f"127.0.0.1:{port}"))
     start = sub(_blocks(section)[0].strip())
-    assert start.endswith("&")
-    ring = subprocess.Popen(["bash", "-c", start[:-1].strip()], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    assert start.splitlines()[0].endswith("&") and "until" in start
+    r = _sh(start, timeout=300)  # returns once the ring is up (the ring runs on in the background)
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            if Path(state).exists() and json.loads(Path(state).read_text()).get("api"):
-                break
-            assert ring.poll() is None, ring.stdout.read()
-            time.sleep(0.5)
+        assert r.returncode == 0, r.stderr + Path(log).read_text()[-3000:]
         doc = json.loads(Path(state).read_text())
+        assert "ring up" in Path(log).read_text()
         assert [n["role"] for n in doc["nodes"]] == ["entry", "stage", "stage", "stage", "standby"], doc
         curl = textwrap.dedent(sub(_blocks(section)[1])).strip()
+        deadline = time.time() + 60  # the API starts just after the state file is written
+        while time.time() < deadline and not json.loads(Path(state).read_text()).get("api"):
+            time.sleep(0.5)
         r = _sh(curl)
         assert r.returncode == 0 and json.loads(r.stdout)["choices"][0]["message"]["content"], r.stdout + r.stderr
         client = textwrap.dedent(sub(_blocks(section)[2]))
         r = subprocess.run([sys.executable, "-c", client], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0 and r.stdout.strip(), r.stderr[-2000:]
-        chat = re.search(r'`(echo "What is a tuple\?" \| p2pk3 chat --topology \.\.\.)`', section).group(1)
-        chat = chat.replace("--topology ...", f'--topology "$(jq -r .topology {state})"')
-        r = _sh(chat)
+        r = _sh(sub(_code(section, r'echo "What is a tuple\?" \| p2pk3 chat --state /tmp/ring\.json')))
         assert r.returncode == 0 and r.stdout.strip(), r.stderr[-2000:]
-        dash = re.search(r'`(p2pk3 dashboard --topology "\$\(jq -r \.topology /tmp/ring\.json\)")`', section).group(1)
-        r = _sh(sub(dash) + " --once --json")
-        assert r.returncode == 0, r.stderr[-2000:]
-        kill = sub(re.search(r"`(kill -9 \$\(jq '\.nodes\[1\]\.pid' /tmp/ring\.json\))`", section).group(1))
-        victim = doc["nodes"][1]["slot"]
+        r = _sh(sub(_code(section, r"p2pk3 dashboard --state /tmp/ring\.json --json")), timeout=60)  # ends
+        assert r.returncode == 0 and len(r.stdout.splitlines()) == 1, r.stderr[-2000:]
+        assert json.loads(r.stdout)["totals"]["up"] == 5
+        kill = sub(_code(section, r"kill -9 \$\(jq [^`]+\)"))
+        victim = [n for n in doc["nodes"] if n["role"] == "stage" and n["started_on"] == n["slot"]][0]
         assert _sh(kill).returncode == 0
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            nodes = json.loads(_sh(sub("jq .nodes /tmp/ring.json")).stdout)
-            holder = [n for n in nodes if n["slot"] == victim and n["role"] == "stage"]
-            if holder and holder[0]["started_on"] != victim:
-                break
+        deadline = time.time() + 90
+        while time.time() < deadline and "recovered:" not in Path(log).read_text():
             time.sleep(0.5)
-        else:
-            raise AssertionError(f"the spare never took slot {victim} over: {nodes}")
+        text = Path(log).read_text()
+        assert f"node down: slot {victim['slot']}" in text and "taken over: standby" in text, text[-3000:]
+        nodes = json.loads(_sh(sub(_code(section, r"jq \.nodes /tmp/ring\.json"))).stdout)
+        holder = [n for n in nodes if n["slot"] == victim["slot"] and n["role"] == "stage"]
+        assert holder and holder[0]["started_on"] != victim["slot"], nodes
         r = _sh(curl)  # the ring still answers, through the repaired ring
         assert r.returncode == 0 and json.loads(r.stdout)["choices"][0]["message"]["content"], r.stdout + r.stderr
+        stop = sub(_code(section, r"kill \$\(jq \.pid /tmp/ring\.json\)"))
+        assert _sh(stop).returncode == 0
+        deadline = time.time() + 60
+        while time.time() < deadline and Path(state).exists():
+            time.sleep(0.5)
+        assert not Path(state).exists(), "the state file outlived the ring"
     finally:
-        ring.terminate()
-        try:
-            ring.wait(60)
-        except subprocess.TimeoutExpired:
-            ring.kill()
+        if Path(state).exists():  # a failed test must not leave the ring running
+            doc = json.loads(Path(state).read_text())
+            for pid in [doc["pid"], *(n["pid"] for n in doc["nodes"])]:
+                subprocess.run(["kill", "-9", str(pid)], capture_output=True)
 
 
 # ------------------------------------------------------------------------- docs/deploy.md

@@ -36,9 +36,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from p2pk3.quant import convert
 from p2pk3.quant import formats as fmts
-from p2pk3.quant.formats import (BYTES_PER_PARAM, FormatError, MXLinear, apply_formats, class_of, dequantize_mxfp8,
-                                 dequantize_weight, parse_formats, quantize_mxfp8, quantize_weight)
+from p2pk3.quant.convert import MXLinear, apply_formats, dequantize_mxfp8, dequantize_weight, quantize_mxfp8, quantize_weight
+from p2pk3.quant.formats import BYTES_PER_PARAM, FormatError, class_of, parse_formats
 from p2pk3.quant.mxfp4 import mxfp8_e4m3_fake_quant, quantize_mxfp4
 from p2pk3_kernels import mx_linear_ref, ops
 
@@ -367,15 +368,15 @@ def test_cache_file_is_written_then_reused(ckpt, tmp_path):
     a = _stage(ckpt, fm, cache)
     assert cache.exists()
     calls = []
-    orig = fmts.quantize_weight
-    fmts.quantize_weight = lambda *a_, **k: calls.append(1) or orig(*a_, **k)
+    orig = convert.quantize_weight
+    convert.quantize_weight = lambda *a_, **k: calls.append(1) or orig(*a_, **k)
     try:
         b = _stage(ckpt, fm, cache)
         assert not calls, "the cache was not used"
         c = _stage(ckpt, {"attention": "mxfp4"}, cache)  # other formats: recomputed and rewritten
         assert calls
     finally:
-        fmts.quantize_weight = orig
+        convert.quantize_weight = orig
     for (n, m), (_, m2) in zip(a.named_modules(), b.named_modules()):
         if isinstance(m, MXLinear):
             assert torch.equal(m.data, m2.data) and torch.equal(m.scale, m2.scale), n

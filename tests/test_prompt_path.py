@@ -206,7 +206,7 @@ def via_api(model, *flags):
 
     from p2pk3.api.app import ApiConfig, create_app
     from p2pk3.node.local import free_ports
-    body = {"messages": [{"role": "user", "content": QUESTION}]}
+    body = {"model": "m", "messages": [{"role": "user", "content": QUESTION}]}
     names = {"--temperature": ("temperature", float), "--max-tokens": ("max_tokens", int),
              "--top-p": ("top_p", float), "--top-k": ("top_k", int), "--seed": ("seed", int)}
     for flag, value in zip(flags[::2], flags[1::2]):

@@ -24,7 +24,8 @@ from p2pk3.node.daemon import NodeDaemon
 from p2pk3.node.local import free_ports
 from p2pk3.node.options import NodeOptions
 from p2pk3.plan import Card, plan_ring
-from p2pk3.quant.formats import TENSOR_CLASSES, MXLinear, class_of
+from p2pk3.quant.formats import TENSOR_CLASSES, class_of
+from p2pk3.quant.convert import MXLinear
 from p2pk3.topology import GiB, MemorySpec, Slot, Topology, slot_plan
 from p2pk3.topology.sizing import kda_state_bytes, mla_cache_bytes, runtime_items
 

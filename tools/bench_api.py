@@ -25,6 +25,7 @@ from p2pk3.node.local import LocalRing, free_ports, probe
 from p2pk3.params import SamplingParams
 from p2pk3.tokenizer import ChatTokenizer
 
+MODEL = default_model_dir().name  # the id the API serves it under
 QUESTIONS = ["What does the with statement do?", "How do I open a file?", "What is a list comprehension?",
              "Explain the for statement.", "What is a generator?", "How does import work?",
              "What is a dictionary?", "What does the yield keyword do?"]
@@ -49,7 +50,7 @@ async def ring_client_run(ring, prompts, tokens):
 
 async def api_run(url, questions, tokens):
     async def one(s, q):
-        body = {"messages": [{"role": "user", "content": q}], "max_tokens": tokens, "stream": True,
+        body = {"model": MODEL, "messages": [{"role": "user", "content": q}], "max_tokens": tokens, "stream": True,
                 "ignore_eos": True, "stream_options": {"include_usage": True}}
         t0 = time.perf_counter()
         ttft, n = None, 0

@@ -29,7 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from p2pk3.quant.formats import BYTES_PER_PARAM, TENSOR_CLASSES, class_of, format_spec, quantize_weight  # noqa: E402
+from p2pk3.quant.convert import quantize_weight  # noqa: E402
+from p2pk3.quant.formats import BYTES_PER_PARAM, TENSOR_CLASSES, class_of, format_spec  # noqa: E402
 
 TINY_CONFIGS: list[tuple[str, dict[str, str]]] = [("as shipped (BF16)", {})]
 for _c in TENSOR_CLASSES:

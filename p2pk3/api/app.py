@@ -18,6 +18,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import secrets
 import time
 from dataclasses import dataclass
@@ -109,7 +110,7 @@ def _model_card(cfg: ApiConfig, created: int) -> dict:
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+    return web.json_response({"status": "ok", "pid": os.getpid()})  # pid: whose API answers (background.py)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -130,7 +131,7 @@ def _prompt(app, req: GenRequest) -> Prompt:
         if e.field == "prompt":
             raise bad_param("messages" if req.kind == "chat" else "prompt", str(e)) from None
         if e.field == "max_tokens":
-            raise bad_param("max_completion_tokens" if req.kind == "chat" else "max_tokens", str(e)) from None
+            raise bad_param(req.max_tokens_field, str(e)) from None
         raise bad_param(e.field, str(e)) from None
 
 

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -43,8 +44,8 @@ class ApiProcess:
                                    f"{self.log()}")
             try:
                 with urllib.request.urlopen(self.base_url + "/health", timeout=1.0) as r:
-                    if r.status == 200:
-                        return self
+                    if r.status == 200 and json.loads(r.read()).get("pid") == self.proc.pid:
+                        return self  # (another process's API on that port is not ours)
             except (urllib.error.URLError, OSError):
                 pass
             if time.monotonic() > deadline:

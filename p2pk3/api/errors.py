@@ -9,6 +9,7 @@ _CLUSTER_CODES = {
     "busy": (429, "rate_limit_exceeded"),
     "unavailable": (503, "service_unavailable"),
     "connection_lost": (503, "service_unavailable"),
+    "unreachable": (503, "service_unavailable"),
     "bad_request": (400, "invalid_request_error"),
 }
 

@@ -1,7 +1,7 @@
 """Validation of OpenAI request bodies (`/v1/chat/completions`, `/v1/completions`) into `GenRequest`.
 
 Every mistake is an `ApiError` 400 whose `param` names the field (`messages[1].role`, `temperature`, ...).
-Accepted: `model`, `messages` / `prompt`, `stream`, `stream_options.include_usage`, `max_tokens` /
+Accepted: `model` (required, as OpenAI requires it), `messages` / `prompt`, `stream`, `stream_options.include_usage`, `max_tokens` /
 `max_completion_tokens`, `temperature` [0, 2], `top_p` (0, 1], `seed`, `stop` (string or list of up to 4),
 `n` (1 only), `user`; extensions as vLLM names them: `top_k`, `ignore_eos`; p2pk3's own: `speculate`,
 `draft_tokens`. The sampling fields land in `GenRequest.sampling` (a `SamplingOverrides`: unset fields
@@ -35,6 +35,7 @@ class GenRequest:
     stream: bool = False
     include_usage: bool = False
     sampling: SamplingOverrides = field(default_factory=SamplingOverrides)  # max_tokens, temperature, ...
+    max_tokens_field: str = "max_tokens"  # the name the request gave it (chat: or max_completion_tokens)
     stop: list[str] = field(default_factory=list)
 
 
@@ -153,6 +154,8 @@ def parse_request(body: Any, kind: str, max_tokens_limit: int) -> GenRequest:
     _refuse_unsupported(body, kind)
     req = GenRequest(kind)
     req.model = _opt(body, "model", lambda v: isinstance(v, str), "a string")
+    if req.model is None:  # OpenAI requires it
+        raise bad_param("model", "required: the id of the model to use (GET /v1/models lists it)")
     if kind == "chat":
         req.messages = _messages(body.get("messages"))
         tools = _opt(body, "tools", lambda v: isinstance(v, list) and all(isinstance(t, dict) for t in v),
@@ -178,7 +181,7 @@ def parse_request(body: Any, kind: str, max_tokens_limit: int) -> GenRequest:
         if v is not None:
             if not 1 <= v <= max_tokens_limit:
                 raise bad_param(k, f"must be in [1, {max_tokens_limit}], got {v}")
-            max_tokens = v
+            max_tokens, req.max_tokens_field = v, k
             break
     top_k = _opt(body, "top_k", lambda v: _is_int(v) and v >= -1, "an integer >= -1 (-1 or 0: off)")
     spec = _opt(body, "speculate", lambda v: v in SPEC_METHODS, " or ".join(f'"{m}"' for m in SPEC_METHODS))

@@ -21,6 +21,6 @@ def load_stage(model_dir: str | Path, plan: StagePlan, dtype="float32", device="
                                head=plan.head, layer_parts=plan.parts or None)
     stage = build_stage(cfg, plan, state, torch_dtype(dtype), device)
     if formats:
-        from p2pk3.quant.formats import apply_formats, source_fingerprint
+        from p2pk3.quant.convert import apply_formats, source_fingerprint
         apply_formats(stage, formats, cache=formats_cache, source=source_fingerprint(model_dir))
     return stage

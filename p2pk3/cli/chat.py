@@ -5,9 +5,9 @@ import logging
 
 import click
 
-from . import main
-from .common import MODEL_HELP, model_dir, topology_model_dir
-from .options import sampling_options, speculation_options, topology_option
+from .group import main
+from .common import MODEL_HELP, UserError, model_dir, plural, topology_model_dir
+from .options import sampling_options, speculation_options, state_option, topology_of_state, topology_option
 
 
 def parse_address(s: str, param: str = "--connect") -> tuple[str, int]:
@@ -31,6 +31,7 @@ def read_secret_file(path: str, param: str = "--secret-file") -> bytes:
 
 @main.command()
 @topology_option(required=False)
+@state_option()
 @click.option("--connect", "address", help="HOST:PORT of the entry node (secret from --topology or --secret-file)")
 @click.option("--secret-file", type=click.Path(dir_okay=False), help="the cluster secret (with --connect)")
 @click.option("--local", "local_nodes", type=click.IntRange(min=1), default=None,
@@ -42,12 +43,13 @@ def read_secret_file(path: str, param: str = "--secret-file") -> bytes:
 @click.option("--history", "history_file", type=click.Path(dir_okay=False), default="~/.p2pk3_chat_history",
               show_default=True, help="readline history file")
 @click.option("--no-history", is_flag=True, help="keep no history file")
-def chat(topology_path, address, secret_file, local_nodes, model, system, history_file, no_history, sampling):
+def chat(topology_path, state_file, address, secret_file, local_nodes, model, system, history_file, no_history, sampling):
     """Chat with the cluster: answers stream as they are generated; /help lists the commands. With
     --topology the entry is found in the topology, and its secret and model are used.
 
     \b
       p2pk3 chat --topology ring.toml
+      p2pk3 chat --state /tmp/ring.json                      # a ring of `p2pk3 local --state ...`
       p2pk3 chat --connect 10.0.0.1:47920 --secret-file cluster.key
       p2pk3 chat --local 2
       printf 'What is a tuple?\\n' | p2pk3 chat --local 2      # scripted: one message per line
@@ -55,14 +57,18 @@ def chat(topology_path, address, secret_file, local_nodes, model, system, histor
     from dataclasses import replace
 
     from p2pk3.frontends.prompt import PromptBuilder
-    from p2pk3.frontends.repl import run_chat
+    from p2pk3.frontends.repl import banner, run_chat
     from p2pk3.node.client import Client
 
     logging.getLogger("p2pk3").addHandler(logging.NullHandler())  # errors are said in the chat, not logged
+    if state_file:
+        if topology_path:
+            raise click.UsageError("give --state or --topology, not both")
+        topology_path = topology_of_state(state_file)
     modes = [m for m, on in (("--topology", topology_path and not address), ("--connect", address),
                              ("--local", local_nodes)) if on]
     if len(modes) != 1:
-        raise click.UsageError("give one of --topology T, --connect HOST:PORT (with --topology or --secret-file), "
+        raise click.UsageError("give one of --topology T (or --state FILE), --connect HOST:PORT (with --topology or --secret-file), "
                                "or --local N" + (f" (got {' and '.join(modes)})" if modes else ""))
     if local_nodes and (topology_path or secret_file):
         raise click.UsageError("--local starts its own ring: it takes no --topology or --secret-file")
@@ -83,7 +89,7 @@ def chat(topology_path, address, secret_file, local_nodes, model, system, histor
         from p2pk3.node.local import LocalRing
         if local_nodes > K3Config.from_pretrained(mdir).num_hidden_layers:
             raise click.BadParameter("more nodes than the model has layers", param_hint="--local")
-        click.echo(f"starting a local ring of {local_nodes} daemons ...", err=True)
+        click.echo(f"starting a local ring of {plural(local_nodes, 'daemon')} ...", err=True)
         ring = LocalRing(mdir, local_nodes).start()
         factory = ring.client
     elif address:
@@ -96,7 +102,9 @@ def chat(topology_path, address, secret_file, local_nodes, model, system, histor
         factory = lambda: Client.for_topology(topo, secret)  # noqa: E731
     try:
         run_chat(factory, prompts, sampling, system=system, history_file=history,
-                 banner=f"p2pk3 chat with {mdir.name}: /help for commands, Ctrl-D to leave")
+                 banner=banner(mdir.name))
+    except ConnectionError as e:  # nobody answers: said in one line, not a bug
+        raise UserError(str(e)) from None
     finally:
         if ring is not None:
             ring.__exit__(None, None, None)

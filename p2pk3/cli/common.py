@@ -6,8 +6,13 @@ from pathlib import Path
 
 import click
 
-MODEL_HELP = "model directory (HF layout); default: the embedded tiny K3"
+MODEL_HELP = "model directory (HF layout); default: the embedded k3-docs"
 DTYPES = ["float32", "bfloat16"]
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """`1 daemon`, `2 daemons` (`many`: an irregular plural)."""
+    return f"{n} {word if n == 1 else many or word + 's'}"
 
 
 class UserError(click.ClickException):
@@ -15,8 +20,11 @@ class UserError(click.ClickException):
 
 
 def model_dir(model: str | None, param: str = "--model") -> Path:
-    from p2pk3.engine.reference import default_model_dir
+    from p2pk3 import default_model_dir
     p = Path(model) if model else default_model_dir()
+    if p.exists() and not p.is_dir():
+        raise click.BadParameter(f"{p} is a file; give the model's directory (the folder holding config.json)",
+                                 param_hint=param)
     if not p.is_dir():
         raise click.BadParameter(f"{p}: no such directory", param_hint=param)
     if not (p / "config.json").exists():

@@ -6,8 +6,8 @@ import logging
 
 import click
 
-from . import main
-from .options import topology_option
+from .group import main
+from .options import state_option, topology_of_state, topology_option
 from .common import run_async
 
 STATE_STYLE = {"up": "green", "loading": "yellow", "standby": "cyan", "moved": "dim", "dead": "bold red",
@@ -33,7 +33,9 @@ def render(snap: dict):
     from rich.text import Text
 
     t, tot = snap["slots"], snap["totals"]
-    title = (f"{snap['cluster']}: {tot['up']}/{tot['nodes']} up · {_num(tot['tokens_per_s'])} tokens/s · "
+    spares = f" + {tot['standby']} standby" if tot["standby"] else ""
+    title = (f"{snap['cluster']}: {tot['serving']}/{tot['active']} slots serving{spares} · "
+             f"{_num(tot['tokens_per_s'])} tokens/s · "
              f"{_num(tot['live_sessions'], '{}')} live sessions · entry {snap['entry'] or 'none'}")
     notes = [f"{r['slot']}: {r['reason']}" for r in t if r["state"] not in ("up", "standby")]
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
@@ -54,15 +56,19 @@ def render(snap: dict):
 
 
 @main.command()
-@topology_option()
+@topology_option(required=False)
+@state_option()
 @click.option("--once", is_flag=True, help="print one frame and exit")
-@click.option("--json", "as_json", is_flag=True, help="JSON instead of a table (one document per poll)")
+@click.option("--json", "as_json", is_flag=True, help="print one snapshot as a JSON document and exit")
+@click.option("--follow", is_flag=True, help="with --json: one JSON document per line every --interval (JSON lines) "
+                                             "until Ctrl-C")
 @click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
               help="seconds between polls (rates are deltas between two polls)")
 @click.option("--timeout", type=click.FloatRange(min=0.05), default=1.0, show_default=True,
               help="a node that does not answer a status probe within this many seconds is unreachable")
-def dashboard(topology_path, once, as_json, interval, timeout):
-    """Live view of the ring: each slot's node, state, layers, sessions, queue, rates, latencies, memory."""
+def dashboard(topology_path, state_file, once, as_json, follow, interval, timeout):
+    """Live view of the ring: each slot's node, state, layers, sessions, queue, rates, latencies, memory.
+    `--once` prints one frame, `--json` one JSON document (`--json --follow`: JSON lines)."""
     import asyncio
 
     from rich.console import Console
@@ -72,6 +78,13 @@ def dashboard(topology_path, once, as_json, interval, timeout):
     from p2pk3.topology import Topology
 
     logging.getLogger("p2pk3").addHandler(logging.NullHandler())  # unreachable nodes are shown, not logged
+    if bool(topology_path) == bool(state_file):
+        raise click.UsageError("give --topology FILE, or --state FILE of a running `p2pk3 local`")
+    if state_file:
+        topology_path = topology_of_state(state_file)
+    if follow and not as_json:
+        raise click.UsageError("--follow is for --json (the table is live already)")
+    once = once or (as_json and not follow)
     topo = Topology.load(topology_path)
     view = ClusterView(topo, topo.secret(), timeout=timeout)
     console = Console()
@@ -90,7 +103,7 @@ def dashboard(topology_path, once, as_json, interval, timeout):
             await asyncio.sleep(min(interval, 1.0))
             show(await view.poll())
             return
-        if as_json:
+        if as_json:  # --follow
             while True:
                 show(snap)
                 await asyncio.sleep(interval)

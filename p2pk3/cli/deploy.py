@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from . import main
+from .group import main
 from .options import topology_option
 from .common import UserError
 

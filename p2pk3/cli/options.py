@@ -20,7 +20,8 @@ import click
 from p2pk3.frontends.prompt import SamplingOverrides
 from p2pk3.params import DEFAULT_DRAFT, DEFAULT_MAX_TOKENS, MAX_DRAFT, MAX_SEED, MAX_TEMPERATURE, SPEC_METHODS
 
-__all__ = ["topology_option", "sampling_options", "speculation_options", "TOPOLOGY_HELP"]
+__all__ = ["topology_option", "state_option", "topology_of_state", "sampling_options", "speculation_options",
+           "TOPOLOGY_HELP"]
 
 TOPOLOGY_HELP = "the cluster's topology file (TOML, docs/topology.md)"
 _FROM_MODEL = "the model's generation_config, else "
@@ -29,6 +30,31 @@ _FROM_MODEL = "the model's generation_config, else "
 def topology_option(required: bool = True):
     return click.option("--topology", "topology_path", required=required, type=click.Path(exists=True, dir_okay=False),
                         help=TOPOLOGY_HELP)
+
+
+def state_option():
+    """--state FILE: the state file of a running `p2pk3 local --state FILE`, instead of --topology."""
+    return click.option("--state", "state_file", type=click.Path(dir_okay=False), default=None,
+                        help="instead of --topology: the state file of a running `p2pk3 local --state FILE`")
+
+
+def topology_of_state(state_file: str) -> str:
+    """The topology path a `p2pk3 local` state file names; one clear line when there is no ring."""
+    import json
+    from pathlib import Path
+
+    p = Path(state_file)
+    if not p.exists():
+        raise click.BadParameter(f"{p} does not exist: no ring writes it (start one with `p2pk3 local --state {p} &` "
+                                 f"and wait until it prints 'ring up')", param_hint="--state")
+    try:
+        topo = json.loads(p.read_text())["topology"]
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        raise click.BadParameter(f"{p} is not the state file of `p2pk3 local` ({type(e).__name__}: {e})",
+                                 param_hint="--state") from None
+    if not Path(topo).exists():
+        raise click.BadParameter(f"{p} names {topo}, which is gone: that ring stopped", param_hint="--state")
+    return topo
 
 
 def _overrides(f, names: tuple[str, ...], options: list):

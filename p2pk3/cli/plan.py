@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from . import main
+from .group import main
 from .common import UserError, check_writable
 from .options import topology_option
 from .topo import SECRET_FILE, secret_beside, topology
@@ -17,7 +17,7 @@ FORMATS_HELP = ("weight formats per tensor class, e.g. 'non-experts=mxfp8' or 'a
 
 
 def load_config(model: str | None):
-    """A preset name or a model directory (default: the embedded tiny K3)."""
+    """A preset name or a model directory (default: the embedded k3-docs)."""
     from p2pk3.model.config import PRESETS, K3Config
     if model in PRESETS:
         return PRESETS[model], model, None
@@ -38,13 +38,13 @@ def load_config(model: str | None):
 @click.option("--context", type=click.IntRange(min=1), default=32768, show_default=True, help="tokens of MLA cache per session")
 @click.option("--sessions", type=click.IntRange(min=1), default=8, show_default=True, help="concurrent sessions held")
 @click.option("--prefill-chunk", type=click.IntRange(min=1), default=2048, show_default=True,
-              help="prompt tokens per prefill pass (sizes the activation workspace)")
+              help="prompt tokens per prefill pass (sizes each card's activation workspace)")
 @click.option("--overhead-gb", type=click.FloatRange(min=0), default=1.0, show_default=True, help="CUDA context reserve (GiB)")
 @click.option("--formats", default=None, help=FORMATS_HELP)
 @click.option("--standby", type=click.IntRange(min=0), default=0, show_default=True, help="more cards kept as hot spares")
 @click.option("--name", default="cluster", show_default=True, help="cluster name")
 @click.option("--stage-overhead-us", type=click.FloatRange(min=0), default=80.0, show_default=True,
-              help="fixed cost per stage and token (launches, the hop) in the predicted pace")
+              help="fixed time per stage and token (kernel launches, hop handling), microseconds, in the pace")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="write the topology here (default: stdout)")
 @click.option("--tables/--no-tables", default=False, help="print every card's memory table")
 def plan_cmd(model, hosts_file, nodes_file, model_dir, repo, context, sessions, prefill_chunk, overhead_gb, formats,
@@ -123,22 +123,31 @@ def topology_check(path, model, formats, quiet):
     click.echo(f"{path}: ok ({len(topo.active)} active, {len(topo.standby)} standby slots)")
 
 
+_PROFILE = "the profile's {}, rtx5090: {}"
+
+
 @main.command("simulate")
 @topology_option()
 @click.option("--hardware", "hw_path", default=None, type=click.Path(dir_okay=False),
-              help="hardware profile TOML (default: p2pk3/sim/profiles/rtx5090.toml)")
+              show_default="p2pk3/sim/profiles/rtx5090.toml", help="hardware profile TOML")
 @click.option("--model", default=None, help="preset or model directory (default: the file's [model])")
 @click.option("--streams", default="1,16", show_default=True, help="concurrent streams, comma-separated")
 @click.option("--formats", default=None, help=FORMATS_HELP + "; default: the file's [model] formats")
-@click.option("--accept", type=click.FloatRange(min=1.0), default=None, help="speculation: tokens accepted per pass")
-@click.option("--spec-k", type=click.IntRange(min=1), default=None, help="draft tokens per pass (default: ceil(2*(accept-1)))")
+@click.option("--accept", type=click.FloatRange(min=1.0), default=None, show_default="no speculation",
+              help="speculation: tokens accepted per pass")
+@click.option("--spec-k", type=click.IntRange(min=1), default=None, show_default="ceil(2*(accept-1))",
+              help="draft tokens per pass")
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="cards per stage in tensor parallel")
-@click.option("--act", type=click.Choice(["bf16", "fp8"]), default=None, help="activation dtype on the wire")
-@click.option("--prompt", type=click.IntRange(min=1), default=None, help="prompt tokens per stream")
-@click.option("--new-tokens", type=click.IntRange(min=1), default=None, help="generated tokens per stream")
-@click.option("--context", type=click.IntRange(min=0), default=None, help="context at decode (MLA cache read)")
+@click.option("--act", type=click.Choice(["bf16", "fp8"]), default=None, show_default=_PROFILE.format("activations.dtype", "bf16"),
+              help="activation dtype on the wire")
+@click.option("--prompt", type=click.IntRange(min=1), default=None, show_default=_PROFILE.format("workload.prompt", 1024),
+              help="prompt tokens per stream")
+@click.option("--new-tokens", type=click.IntRange(min=1), default=None, show_default=_PROFILE.format("workload.new_tokens", 256),
+              help="generated tokens per stream")
+@click.option("--context", type=click.IntRange(min=0), default=None, show_default=_PROFILE.format("workload.context", 32768),
+              help="context at decode (MLA cache read)")
 @click.option("--micro-batches", type=click.IntRange(min=1), default=None,
-              help="spread the streams over this many micro-batches (default: as the entry batches them: all queued)")
+              show_default="as the entry batches them: all queued", help="spread the streams over this many micro-batches")
 @click.option("--plot", default=None, type=click.Path(dir_okay=False), help="PNG of throughput vs streams")
 @click.option("--json", "as_json", is_flag=True, help="print the figures as JSON")
 def simulate_cmd(topology_path, hw_path, model, streams, formats, accept, spec_k, tp, act, prompt, new_tokens, context,

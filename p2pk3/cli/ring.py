@@ -1,10 +1,12 @@
 """Commands that run daemons: `node` (one daemon of a ring), `local` (a whole ring on loopback)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
-from . import main
-from .common import DTYPES, MODEL_HELP, UserError, build_prompt, model_dir, run_async, topology_model_dir
+from .group import main
+from .common import DTYPES, MODEL_HELP, UserError, build_prompt, model_dir, plural, run_async, topology_model_dir
 from .options import sampling_options, speculation_options, topology_option
 
 
@@ -21,7 +23,8 @@ def _stop_on_signals(stop):
 @click.option("--slot", help="the slot this daemon claims")
 @click.option("--standby", is_flag=True, help="run as a hot spare on a standby slot (takes over a dead slot)")
 @click.option("--host", default=None, help="listen address (default: the slot's host, else 0.0.0.0)")
-@click.option("--port", type=click.IntRange(0, 65535), default=None)
+@click.option("--port", type=click.IntRange(0, 65535), default=None,
+              help="listen port (default: the slot's port in the topology; 0: any free port)")
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
 @click.option("--device", default=None, help="torch device (default: cuda if available, else cpu)")
 @click.option("--max-sessions", type=click.IntRange(min=1), default=None,
@@ -33,7 +36,7 @@ def _stop_on_signals(stop):
 @click.option("--heartbeat", type=click.FloatRange(min=0.05), default=0.5, show_default=True,
               help="failure detector ping period, seconds")
 @click.option("--dead-after", type=click.FloatRange(min=0.2), default=2.5, show_default=True,
-              help="a peer that has not answered for this many seconds is dead")
+              help="a peer that has not answered for this many seconds is dead (at least 2 heartbeats)")
 @click.option("--drop-beacons", is_flag=True, hidden=True, help="fault injection: received beacons are lost")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
               help="serve Prometheus metrics on http://HOST:PORT/metrics (off by default)")
@@ -53,6 +56,9 @@ def node(topology_path, slot, standby, host, port, dtype, device, max_sessions, 
 
     from .run import _check_device
 
+    if dead_after < 2 * heartbeat:
+        raise click.BadParameter(f"{dead_after:g} s is less than two heartbeats ({heartbeat:g} s each): every peer would "
+                                 f"look dead between two pings; give at least {2 * heartbeat:g}", param_hint="--dead-after")
     logging.basicConfig(level=logging.DEBUG if verbose > 1 else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     topo = Topology.load(topology_path)
@@ -124,22 +130,27 @@ def node(topology_path, slot, standby, host, port, dtype, device, max_sessions, 
               help="with --api: the bearer key clients must send")
 def local(model, nodes, standby, state_file, dtype, prompt, open_chat, api_addr, api_key_file, sampling):
     """Start N daemons (and S standbys) on loopback as one ring; Ctrl-C, SIGTERM or SIGHUP stops them.
+    A node that goes down, the standby that takes its slot over, and the ring's recovery are said here.
 
-    To watch the ring survive a failure, start it with a spare and a state file, then kill a node:
+    To watch the ring survive a failure, start it with a spare and a state file, then kill a stage:
 
+    \b
       p2pk3 local --nodes 4 --standby 1 --state /tmp/ring.json &
-      kill -9 $(jq '.nodes[1].pid' /tmp/ring.json)    # a middle stage dies; the spare takes over
-      jq .nodes /tmp/ring.json                        # the spare now serves that slot
+      until [ -s /tmp/ring.json ]; do sleep 1; done     # written once the ring is up
+      kill -9 $(jq '[.nodes[] | select(.role == "stage" and .started_on == .slot)][0].pid' /tmp/ring.json)
+      jq .nodes /tmp/ring.json                          # the spare now serves that slot
     """
     import signal
     import sys
     import time
 
     from p2pk3.model.config import K3Config
-    from p2pk3.node.local import LocalRing, write_state
+    from p2pk3.node.local import LocalRing, claim_state_file, ring_events, write_state
 
     from .common import check_writable
 
+    if api_key_file and not api_addr:
+        raise click.UsageError("--api-key-file protects the API of --api HOST:PORT: give --api too (or drop the key)")
     mdir = model_dir(model)
     check_writable(state_file, "--state")
     api_host, api_port = _host_port(api_addr, "--api") if api_addr else (None, None)
@@ -147,47 +158,59 @@ def local(model, nodes, standby, state_file, dtype, prompt, open_chat, api_addr,
     if nodes > L:
         raise click.BadParameter(f"{nodes} nodes but the model has only {L} layers (one node per layer at most)",
                                  param_hint="--nodes")
+    if api_addr:
+        _check_port_free(api_host, api_port, "--api")
+    if state_file:
+        try:
+            claim_state_file(state_file)  # refuses a state file that a running ring owns; removes a stale one
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--state") from None
     ring = LocalRing(mdir, nodes, dtype=dtype, standby=standby)
-    click.echo(f"starting {nodes} daemons{f' and {standby} standbys' if standby else ''} for {mdir} ...")
-    stopping = []
+    spares = f" and {plural(standby, 'standby', 'standbys')}" if standby else ""
+    click.echo(f"starting {plural(nodes, 'daemon')}{spares} for {mdir} ...")
 
     def on_signal(signum, frame):
-        stopping.append(signum)
         raise KeyboardInterrupt
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
-    api = None
+    api, wrote_state = None, False
     try:
         with ring:
             h, p = ring.entry_addr
             click.echo(f"ring up: entry {h}:{p}; topology {ring.topology}; logs in {ring.log_dir}")
             if api_addr:
                 from p2pk3.api import start_api_in_background
-                api = start_api_in_background(ring.topology, api_host, api_port, api_key_file)
+                try:
+                    api = start_api_in_background(ring.topology, api_host, api_port, api_key_file)
+                except (RuntimeError, TimeoutError) as e:
+                    raise UserError(f"--api {api_addr}: the API did not start: {str(e).splitlines()[0]} "
+                                    f"(log {ring.workdir / 'api.log'})") from None
                 click.echo(f"OpenAI-compatible API at {api.url} (log {api.log_path})")
             for s in ring.topo.slots:
                 what = "standby" if s.standby else f"layers {s.layers[0]}..{s.layers[1]}"
                 click.echo(f"  slot {s.id}: {what} at {s.host}:{s.port}")
             if open_chat and prompt is None and sys.stdin.isatty():
                 from p2pk3.frontends.prompt import PromptBuilder
-                from p2pk3.frontends.repl import run_chat
-                click.echo("chat with the ring: /help for commands, /quit to stop")
-                run_chat(ring.client, PromptBuilder.from_pretrained(mdir), sampling)
+                from p2pk3.frontends.repl import banner, run_chat
+                run_chat(ring.client, PromptBuilder.from_pretrained(mdir), sampling,
+                         banner=banner(f"{mdir.name} on the ring"))
                 return
             if open_chat and prompt is None:  # no terminal: one scripted exchange
                 prompt = SCRIPTED_QUESTION
             if prompt is not None:
                 _generate_and_print(ring, mdir, prompt, sampling)
                 return
-            click.echo("Ctrl-C to stop.")
+            click.echo("Ctrl-C to stop." + (f" State in {state_file}." if state_file else ""))
             last = None
             while True:
-                doc = run_async(ring.state()) if state_file else None
-                if doc is not None and api is not None:
-                    doc["api"] = api.url
-                if doc is not None and doc != last:
+                doc = run_async(ring.state())
+                doc["api"] = api.url if api is not None else None
+                for line in ring_events(last, doc, ring.topo):
+                    click.echo(line)
+                if state_file and doc != last:
                     write_state(state_file, doc)
-                    last = doc
+                    wrote_state = True
+                last = doc
                 if len(ring.exited()) == len(ring.procs):
                     raise UserError(f"every daemon exited; logs in {ring.log_dir}")
                 time.sleep(0.5)
@@ -196,11 +219,27 @@ def local(model, nodes, standby, state_file, dtype, prompt, open_chat, api_addr,
     finally:
         if api is not None:
             api.stop()
+        if wrote_state:
+            Path(state_file).unlink(missing_ok=True)  # the ring it described is gone
         for s, h in old.items():
             signal.signal(s, h)
         if ring.failed or ring.exited():
             ring.failed = True
             click.echo(f"logs kept in {ring.log_dir}", err=True)
+
+
+def _check_port_free(host: str, port: int, param: str) -> None:
+    """Fail before starting anything when HOST:PORT cannot be listened on."""
+    import errno
+    import socket
+
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as e:
+        why = (f"port {port} on {host} is already in use (another `p2pk3 local --api` or `serve`? "
+               f"see `ss -ltnp | grep {port}`)") if e.errno == errno.EADDRINUSE else f"cannot listen on {host}:{port}: {e.strerror or e}"
+        raise click.BadParameter(why, param_hint=param) from None
 
 
 SCRIPTED_QUESTION = "What does the with statement do?"
@@ -214,24 +253,38 @@ def _host_port(text: str, param: str) -> tuple[str, int]:
 
 
 def _generate_and_print(ring, mdir, prompt, sampling):
+    """The answer streams as it is generated (as in `chat`); Ctrl-C stops it and keeps what came."""
+    import sys
+
     from p2pk3.node.local import probe
 
     prompts, p = build_prompt(mdir, prompt, sampling)
     ids, params = p.ids, p.params
     click.echo(f"> {prompt}")
+    dec, stops, got = prompts.tok.stream_decoder(), set(params.stop_ids), []
+
+    def on_token(t: int) -> None:
+        got.append(t)
+        if t not in stops:
+            sys.stdout.write(dec.push(t))
+            sys.stdout.flush()
 
     async def go():
         import asyncio
         c = await ring.client()
         try:
-            reply = await c.generate(ids, params)
+            reply = await c.generate(ids, params, on_token=on_token)
         finally:
             c.close()
         stages = await asyncio.gather(*(probe(ring.address(s.id), ring.secret) for s in ring.topo.active))
         return reply, [s for s in stages if s]
 
-    r, stages = run_async(go())
-    click.echo(prompts.answer_text(r.tokens).strip())
+    try:
+        r, stages = run_async(go())
+    except KeyboardInterrupt:
+        click.echo(dec.flush() + f" ^C\n[stopped after {plural(len(got), 'token')}]")
+        raise
+    click.echo(dec.flush())
     st = r.stats
     tps = st.get("decode_tokens_per_s")
     click.echo(f"[ring of {len(stages)} nodes: {st.get('prompt_tokens', len(ids))} prompt + {len(r.tokens)} generated "

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from . import main
+from .group import main
 from .common import DTYPES, MODEL_HELP, UserError, build_prompt, check_writable, model_dir, run_async
 from .options import sampling_options, speculation_options
 

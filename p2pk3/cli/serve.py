@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from . import main
+from .group import main
 from .options import topology_option
 from .common import UserError, run_async, topology_model_dir
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from . import main
+from .group import main
 from .common import MODEL_HELP, UserError, check_writable, model_dir
 
 

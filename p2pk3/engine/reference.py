@@ -8,18 +8,13 @@ from typing import Iterable
 
 import torch
 
+from p2pk3 import default_model_dir  # noqa: F401  (re-exported: the embedded default model)
 from p2pk3.checkpoint.stage import load_stage
 from p2pk3.model.cache import Span
 from p2pk3.model.config import K3Config
 from p2pk3.model.stage import K3Stage, StagePlan
 
 from .sampling import SamplingParams, fresh_seed, sample_at
-
-
-def default_model_dir() -> Path:
-    """The embedded default model (a small K3 trained on the Python docs and the Linux man pages, shipped with
-    the package; the previous, smaller `tiny-k3-pydoc` ships beside it)."""
-    return Path(__file__).resolve().parent.parent / "assets" / "k3-docs"
 
 
 def configure_cpu_threads(cfg: K3Config, threads: int | None = None) -> int:

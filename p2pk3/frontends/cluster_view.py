@@ -114,7 +114,10 @@ class ClusterView:
         self._prev = prev
         up = [r for r in rows if r["state"] == "up"]
         tps = [r["tokens_per_s"] for r in up if r["tokens_per_s"] is not None]
-        totals = {"tokens_per_s": max(tps) if tps else None, "nodes": len(rows), "up": len(up),
+        spares = sum(r["state"] == "standby" for r in rows)
+        # `up`: healthy nodes (serving or a standby ready to take over); `serving` of `active` ring slots
+        totals = {"tokens_per_s": max(tps) if tps else None, "nodes": len(rows), "up": len(up) + spares,
+                  "serving": len(up), "active": len(self.topo.active), "standby": spares,
                   "live_sessions": entry.get("live_sessions") if entry else None,
                   "finished": entry.get("finished") if entry else None,
                   "failed": entry.get("failed") if entry else None,

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Awaitable, Callable, TextIO
 
-from p2pk3.node.client import RequestError
+from p2pk3.node.client import RequestError, why
 from p2pk3.params import MAX_TEMPERATURE, SamplingParams
 
 from .prompt import PromptBuilder, PromptError, SamplingOverrides
@@ -47,6 +47,11 @@ HELP = """commands:
   /quit           leave (also Ctrl-D)
 a line ending in \\ continues on the next line; \"\"\" opens and closes a multi-line block;
 Ctrl-C stops an answer"""
+
+
+def banner(model: str) -> str:
+    """The one greeting of every chat (p2pk3 chat, p2pk3 local --chat) on a terminal."""
+    return f"chat with {model}: /help for commands, /quit or Ctrl-D to leave, Ctrl-C stops an answer"
 
 
 class CommandError(ValueError):
@@ -128,13 +133,16 @@ def stats_text(conv: Conversation, status: dict | None = None) -> str:
         shown = [f"{k} {'default' if v is None else f'{v:g}'}" for k, v in
                  (("temperature", a.temperature), ("top_k", a.top_k), ("top_p", a.top_p), ("max", a.max_tokens))]
         lines.append("sampling (default: the model's generation_config): " + ", ".join(shown))
-    if conv.last:
+    if conv.last and conv.last.get("stopped"):
+        lines.append(f"last answer: stopped after {conv.last['generated_tokens']} tokens (no timings)")
+    elif conv.last:
         s = conv.last
         lines.append("last answer: " + footer(s, s.get("generated_tokens", 0))[1:-1]
                      + f" · prompt {s.get('prompt_tokens', '?')} tokens · total {s.get('total_s') or 0:.2f} s")
     if status:
         lines.append(f"entry {status.get('slot')} ({status.get('node')}): {status.get('live_sessions', 0)} live "
-                     f"sessions, {status.get('finished', 0)} finished, {status.get('failed', 0)} failed, "
+                     f"sessions, {status.get('finished', 0)} finished, {status.get('cancelled', 0)} stopped by "
+                     f"their client, {status.get('failed', 0)} failed, "
                      f"{status.get('tokens', 0)} tokens computed")
     return "\n".join(lines)
 
@@ -251,6 +259,7 @@ class Chat:
         self.out.write("\n")
         if stats is None:
             self.conv.stopped += 1
+            self.conv.last = {"stopped": True, "generated_tokens": len(got)}
             self.say(f"[stopped after {len(got)} tokens]", err=not self.interactive)
         else:
             self.conv.last = dict(stats, generated_tokens=len(got))
@@ -282,8 +291,10 @@ def run_chat(client_factory: Callable[[], Awaitable], prompts: PromptBuilder,
     with runner:
         try:
             runner.run(chat.connect())
-        except (RequestError, OSError, TimeoutError) as e:
-            raise ConnectionError(f"could not reach the cluster: {e}") from None
+        except RequestError as e:
+            raise ConnectionError(f"could not reach the cluster: {e.message}") from None
+        except (OSError, TimeoutError) as e:
+            raise ConnectionError(f"could not reach the cluster: {why(e)}") from None
         if banner and interactive:
             chat.say(banner)
         try:

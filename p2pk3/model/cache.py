@@ -4,9 +4,10 @@ Memory is allocated once, up front, from the stage's budget: `max_sessions` rows
 (one row per open session) and `max_tokens` worth of MLA cache blocks shared by all sessions. When either runs out, `CacheFull` is raised
 and the caller answers "busy" — never an out-of-memory in the middle of a forward.
 
-The byte sizes of these pools are defined here, next to the allocation, and nowhere else: the memory
-estimators (p2pk3/topology/sizing.py, the planner's table in p2pk3/plan/memory.py) call `kda_session_bytes`
-and `mla_pool_bytes`, and `StageCache` allocates exactly what they return (tests/test_cache_sizes.py).
+The byte sizes of these pools are defined once, in p2pk3/model/cache_sizes.py beside this module (torch-free,
+so the planner and `topology check` can use them without loading torch): `StageCache` allocates with them and
+the memory estimators (p2pk3/topology/sizing.py, the planner's table in p2pk3/plan/memory.py) call
+`kda_session_bytes` and `mla_pool_bytes` (tests/test_sizing.py: estimate = allocation).
 """
 from __future__ import annotations
 
@@ -14,29 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .cache_sizes import (DEFAULT_BLOCK_SIZE, KDA_STATE_DTYPE_NAME, kda_session_bytes,  # noqa: F401 (re-exported)
+                          mla_blocks, mla_pool_bytes)
 
-KDA_STATE_DTYPE = torch.float32  # recurrent state and short-conv history (fp32 whatever the activation dtype)
-DEFAULT_BLOCK_SIZE = 64  # MLA cache tokens per block
-
-
-def kda_session_bytes(kda_heads: int, kda_head_dim: int, conv_channels: int, conv_size: int) -> int:
-    """One session's KDA state in one layer: the recurrent state [H, K, K] and the last conv_size - 1
-    pre-conv inputs of q, k, v [3C, conv_size - 1], both in KDA_STATE_DTYPE."""
-    item = KDA_STATE_DTYPE.itemsize
-    return kda_heads * kda_head_dim * kda_head_dim * item + conv_channels * (conv_size - 1) * item
-
-
-def mla_blocks(max_tokens: int, max_sessions: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
-    """MLA cache blocks of one layer's pool: `max_tokens` over all sessions plus one partly filled block per
-    session."""
-    return -(-max_tokens // block_size) + max_sessions
-
-
-def mla_pool_bytes(max_tokens: int, max_sessions: int, mla_width: int, dtype: torch.dtype,
-                   block_size: int = DEFAULT_BLOCK_SIZE) -> int:
-    """One MLA layer's paged latent cache: `mla_blocks` blocks of block_size x mla_width in `dtype` (the
-    stage's activation dtype)."""
-    return mla_blocks(max_tokens, max_sessions, block_size) * block_size * mla_width * dtype.itemsize
+KDA_STATE_DTYPE = getattr(torch, KDA_STATE_DTYPE_NAME)  # recurrent state and short-conv history
 
 
 class CacheFull(RuntimeError):

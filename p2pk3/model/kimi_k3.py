@@ -357,7 +357,7 @@ class LatentMoE(nn.Module):
     # default: the checkpoint declares no activation quantization (spec 6.4); K3's QAT reportedly used
     # MXFP8 activations [S]. Only the expert input z is quantized here (the sm_120 W4A8 kernel variant also
     # quantizes the intermediate). Set per stage by the formats map (`expert_inputs = "mxfp8"`, applied by
-    # p2pk3.quant.formats.apply_formats at load), or on the class.
+    # p2pk3.quant.convert.apply_formats at load), or on the class.
     mxfp8_activations = False
 
     def __init__(self, cfg: K3Config, layer_idx: int, held: list[int] | None = None, covered: list[int] | None = None,

@@ -147,7 +147,7 @@ class K3Stage(nn.Module):
         if which == "none":
             return h
         if not self.cfg.tie_word_embeddings and not isinstance(self.lm_head, nn.Linear):
-            return self.lm_head(h).float()  # re-quantized at load (p2pk3.quant.formats.MXLinear)
+            return self.lm_head(h).float()  # re-quantized at load (p2pk3.quant.convert.MXLinear)
         w = m.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
         return (h @ w.T).float()
 

@@ -10,17 +10,33 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-import torch
-
 from .config import K3Config
 
-BF16, FP32, U8 = torch.bfloat16, torch.float32, torch.uint8
+# the checkpoint's dtypes by their safetensors names: this module needs no torch (the planner, topology
+# checks and deploy commands size slots without importing it); `TensorSpec.dtype` gives the torch dtype
+BF16, FP32, U8 = "BF16", "F32", "U8"
+ITEMSIZE = {BF16: 2, FP32: 4, U8: 1}
+NAMES = {BF16: "bfloat16", FP32: "float32", U8: "uint8"}  # torch's names
 
 
 @dataclass(frozen=True)
 class TensorSpec:
     shape: tuple[int, ...]
-    dtype: torch.dtype  # the dtype the published checkpoint stores
+    stored: str  # the dtype the published checkpoint stores (safetensors name: BF16, F32, U8)
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE[self.stored]
+
+    @property
+    def dtype_name(self) -> str:
+        return NAMES[self.stored]
+
+    @property
+    def dtype(self):
+        """The stored dtype as a torch.dtype."""
+        import torch
+        return getattr(torch, NAMES[self.stored])
 
 
 def layer_tensors(cfg: K3Config, i: int, experts: Iterable[int] | None = None,

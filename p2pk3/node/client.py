@@ -25,11 +25,30 @@ import numpy as np
 
 from p2pk3.params import SamplingParams
 from p2pk3.transport.codec import ProtocolError
-from p2pk3.transport.connection import ConnectionClosed, TransportError, open_connection
+from p2pk3.transport.connection import AuthenticationError, ConnectionClosed, TransportError, open_connection
 from p2pk3.transport.messages import (GenerateRequest, cancel_frame, parse_done, parse_error, parse_token,
                                       status_frame)
 
 LOST = (ConnectionClosed, TransportError, ConnectionError, OSError, asyncio.TimeoutError, ProtocolError)
+
+
+def why(e: BaseException) -> str:
+    """A connection failure in words, said once ("connection refused", not "connection lost: connection lost:
+    ...")."""
+    if isinstance(e, ConnectionRefusedError):
+        return "connection refused (nothing listens there: is the node up?)"
+    if isinstance(e, AuthenticationError):  # "node 's0' at HOST:PORT refused the connection: REASON [code]"
+        reason = str(e).rpartition("refused the connection: ")[2].rsplit(" [", 1)[0]
+        return f"refused the handshake: {reason} (is the topology's secret_file the ring's?)"
+    if isinstance(e, (asyncio.TimeoutError, TimeoutError)) and not str(e):
+        return "no answer (hung, stopped or cut off)"
+    text = getattr(e, "reason", None) or str(e) or type(e).__name__
+    return text.removeprefix("connection lost: ")
+
+
+def _definitive(e: BaseException) -> bool:
+    """Refused or not authenticated: asking the same address again soon gives the same answer."""
+    return isinstance(e, (ConnectionRefusedError, AuthenticationError))
 
 
 class RequestError(RuntimeError):
@@ -69,11 +88,13 @@ class Client:
     @classmethod
     async def for_topology(cls, topo, secret: bytes | None = None, node_id: str = "client", *,
                            timeout: float = 10.0, resume_timeout_s: float = 60.0) -> "Client":
-        """Connect to whichever node holds the entry role now (asking the topology's addresses)."""
+        """Connect to whichever node holds the entry role now (asking the topology's addresses). When every
+        address refuses the connection or the secret, that is said at once (RequestError "unreachable"),
+        naming each address and why; only a ring that answers without an entry is waited for."""
         secret = secret if secret is not None else topo.secret()
         addrs = [a for a in topo.static_addresses().values()]
         self = cls(None, secret=secret, node_id=node_id, fallbacks=addrs, resume_timeout_s=resume_timeout_s)
-        self.conn = await self._find_entry(timeout)
+        self.conn = await self._find_entry(timeout, give_up_when_refused=True)
         return self
 
     @property
@@ -94,28 +115,35 @@ class Client:
             if f.kind not in ("token", "done", "error"):  # frames of an abandoned request are skipped
                 raise RequestError("bad_reply", f"expected a status frame, got {f.kind!r}")
 
-    async def _find_entry(self, timeout: float):
-        """A connection to the node that holds the entry role now; retries until `timeout`."""
+    async def _find_entry(self, timeout: float, give_up_when_refused: bool = False):
+        """A connection to the node that holds the entry role now; retries until `timeout` (with
+        `give_up_when_refused`: not when every address refused the connection or the secret)."""
         deadline = time.monotonic() + timeout
         last = "no address to try"
         while True:
+            refused = []
             for addr in self.fallbacks:
                 try:
                     conn = await open_connection(*addr, self.secret, self.node_id, timeout=2.0, handshake_timeout=2.0)
                 except LOST as e:
-                    last = f"{addr[0]}:{addr[1]}: {e}"
+                    last = f"{addr[0]}:{addr[1]}: {why(e)}"
+                    if _definitive(e):
+                        refused.append(last)
                     continue
                 try:
                     await asyncio.wait_for(conn.send(status_frame()), 2.0)
                     st = (await asyncio.wait_for(conn.recv(), 2.0)).header
                 except LOST as e:
                     conn.close("probe")
-                    last = f"{addr[0]}:{addr[1]}: {e}"
+                    last = f"{addr[0]}:{addr[1]}: {why(e)}"
                     continue
                 if st.get("role") == "entry":
                     return conn
                 conn.close("not the entry")
                 last = f"{addr[0]}:{addr[1]} is {st.get('role')} of slot {st.get('slot')}"
+            if give_up_when_refused and self.fallbacks and len(refused) == len(self.fallbacks):
+                shown = "; ".join(refused[:3]) + (f"; and {len(refused) - 3} more" if len(refused) > 3 else "")
+                raise RequestError("unreachable", f"every node refused: {shown}")
             if time.monotonic() > deadline:
                 raise RequestError("connection_lost", f"no node holds the entry role (last: {last})")
             await asyncio.sleep(0.25)
@@ -141,7 +169,7 @@ class Client:
                 return r
             except LOST as e:
                 if not resume or logits:
-                    raise RequestError("connection_lost", f"the connection to the entry was lost: {e}") from None
+                    raise RequestError("connection_lost", f"the connection to the entry was lost: {why(e)}") from None
                 if streamed and (streamed[-1] in params.stop_ids or len(streamed) >= params.max_tokens):
                     return Reply(streamed, {}, {}, None, streamed, moves)
                 self.close()

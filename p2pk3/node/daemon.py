@@ -522,7 +522,7 @@ class NodeDaemon:
         if self.entry is not None:
             st["live_sessions"] = len(self.entry.live())
             st["paused"] = self.entry.paused
-            st["finished"], st["failed"] = self.entry.finished, self.entry.failed
+            st["finished"], st["failed"], st["cancelled"] = self.entry.finished, self.entry.failed, self.entry.cancelled
         if self.coordinator is not None:
             st["unavailable"] = self.coordinator.unavailable
             st["down"] = sorted(self.coordinator.down)

@@ -110,6 +110,7 @@ class Entry:
         self.paused: str | None = None  # why scheduling is paused (a ring repair), or None
         self.finished = 0
         self.failed = 0
+        self.cancelled = 0  # stopped by their client (Ctrl-C, a disconnect): not failures
         # speculative decoding: the cluster's recent prompts and outputs (suffix proposer), the ring time of
         # passes by width as measured here (send -> result), how each method makes a session's proposer,
         # and how k is chosen ("adaptive": expected tokens per ring time; "fixed": always the request's
@@ -319,7 +320,9 @@ class Entry:
         if isinstance(s.proposer, SuffixProposer) and len(s.tokens) > s.prompt_len:
             self.suffix_index.add(s.tokens[max(0, s.prompt_len - 8):])  # the output, with a little context
         s.out.put_nowait(None)
-        if error:
+        if code == "cancelled":
+            self.cancelled += 1
+        elif error:
             self.failed += 1
         else:
             self.finished += 1

@@ -218,7 +218,8 @@ class Coordinator:
         await self.broadcast(retain_frame(live), stages_only=True)
         self.retain(dict(live))
         entry.resume()
-        log.warning("%s: %d sessions continue", why, len(live))
+        log.warning("%s: %d session%s continue%s", why, len(live), "" if len(live) == 1 else "s",
+                    "s" if len(live) == 1 else "")
         self.events.append({"event": "recovered", "t": time.time()})
 
 

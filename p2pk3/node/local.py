@@ -4,6 +4,7 @@ slot (the `--state` file), and to run `score` / `generate` through such a ring."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -13,6 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -68,6 +70,25 @@ async def probe(addr: tuple[str, int], secret: bytes, timeout: float = 1.0) -> d
         conn.close("probe done")
 
 
+@contextlib.contextmanager
+def _signals_held():
+    """Hold SIGINT / SIGTERM / SIGHUP for the block (main thread only), then deliver the first that came to the
+    handler that was in place."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    old = {sig: signal.signal(sig, lambda n, frame: came.append(n)) for sig in sigs}
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+        if came:
+            signal.raise_signal(came[0])
+
+
 class LocalRing:
     """Start N `p2pk3 node` processes (and S standbys); `stop()` ends them all, also on failure."""
 
@@ -108,12 +129,13 @@ class LocalRing:
         s = self.topo.slot(slot)
         log = open(self.log_path(slot), "a")
         role = ["--standby"] if s.standby else []
-        p = subprocess.Popen(
-            [sys.executable, "-P", "-m", "p2pk3.cli", "node", "--topology", str(self.topology), "--slot", slot,
-             *role, "--dtype", self.dtype, "--no-discovery", *self.extra],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=self.workdir)
+        with _signals_held():  # a Ctrl-C between the start and `self.procs` would orphan the daemon
+            p = subprocess.Popen(
+                [sys.executable, "-P", "-m", "p2pk3.cli", "node", "--topology", str(self.topology), "--slot", slot,
+                 *role, "--dtype", self.dtype, "--no-discovery", *self.extra],
+                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=self.workdir)
+            self.procs[slot] = p
         log.close()
-        self.procs[slot] = p
         return p
 
     def start(self, timeout: float = 120.0, *, standbys: bool = True) -> "LocalRing":
@@ -124,9 +146,10 @@ class LocalRing:
             for sid in slots:
                 self.spawn(sid)
             self.wait_up(slots, timeout)
-        except BaseException:
-            self.failed = True
+        except BaseException as e:
+            self.failed = not isinstance(e, KeyboardInterrupt)  # Ctrl-C while starting: a normal end
             self.stop()
+            self._clean_up()
             raise
         return self
 
@@ -181,8 +204,15 @@ class LocalRing:
         self.stop()
         if exc_type is not None and not issubclass(exc_type, KeyboardInterrupt):  # Ctrl-C / SIGTERM: a normal end
             self.failed = True
+        self._clean_up()
+
+    def _clean_up(self) -> None:
+        """After the daemons stopped: remove the folder we made, or after a failure keep its logs but not
+        the ring's secret."""
         if self._tmp and not self.failed:
             shutil.rmtree(self._tmp, ignore_errors=True)
+        elif self._tmp:
+            (self.workdir / "secret").unlink(missing_ok=True)
 
     async def client(self, *, resume: bool = True) -> Client:
         if resume:
@@ -215,7 +245,59 @@ class LocalRing:
         rank = {"entry": 0, "stage": 0, "loading": 0, "standby": 1}
         nodes.sort(key=lambda n: (rank.get(n["role"], 2), order.get(n["slot"], 99)))
         return {"topology": str(self.topology), "secret_file": str(self.topology.parent / "secret"), "entry": entry,
-                "api": None, "logs": str(self.log_dir), "nodes": nodes}
+                "api": None, "logs": str(self.log_dir), "pid": os.getpid(), "nodes": nodes}
+
+
+def claim_state_file(path: str | Path) -> None:
+    """Before a ring writes its state to `path`: refuse (ValueError) when a running `p2pk3 local` owns the
+    file, remove a stale one (so that waiting for the file to appear waits for this ring)."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError):
+        doc = {}
+    pid = doc.get("pid") if isinstance(doc, dict) else None
+    if isinstance(pid, int) and pid != os.getpid() and _alive(pid):
+        raise ValueError(f"{path} is the state of a running ring (p2pk3 local, pid {pid}); stop that one first "
+                         f"(kill {pid}) or give another --state file")
+    path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def ring_events(last: dict | None, doc: dict, topo: Topology) -> list[str]:
+    """The lines `p2pk3 local` prints between two state documents: a node down, a slot taken over, the
+    ring recovered (every active slot served again)."""
+    if last is None:
+        return []
+    before = {n["started_on"]: n for n in last["nodes"]}
+    out = []
+    for n in doc["nodes"]:
+        was = before.get(n["started_on"])
+        if was is None:
+            continue
+        if n["role"] in ("dead", "unreachable") and was["role"] not in ("dead", "unreachable"):
+            what = f"slot {was['slot']}" if was["role"] != "standby" else f"standby {n['started_on']}"
+            out.append(f"node down: {what} (pid {n['pid']}) is {n['role']}")
+        elif n["role"] in ("entry", "stage") and n["slot"] != was["slot"]:
+            out.append(f"taken over: standby {n['started_on']} (pid {n['pid']}) serves slot {n['slot']} now")
+
+    def served(d: dict) -> set:
+        return {n["slot"] for n in d["nodes"] if n["role"] in ("entry", "stage")}
+    active = {s.id for s in topo.active}
+    if active <= served(doc) and not active <= served(last):
+        out.append(f"recovered: every slot is served again (entry {doc['entry']})")
+    return out
 
 
 def write_state(path: str | Path, doc: dict) -> None:

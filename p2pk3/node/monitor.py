@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from p2pk3.transport.connection import open_connection
+from p2pk3.transport.connection import ConnectionClosed, open_connection
 from p2pk3.transport.messages import ping_frame
 
 from .links import DIAL_ERRORS
@@ -127,7 +127,8 @@ class Monitor:
             except asyncio.TimeoutError:
                 self._mark(slot, DOWN, f"no answer for {t:.1f} s (hung or cut off)", address=addr)
             except DIAL_ERRORS as e:
-                self._mark(slot, DOWN, f"connection lost: {e}", address=addr)
+                self._mark(slot, DOWN, e.reason if isinstance(e, ConnectionClosed) else f"connection lost: {e}",
+                           address=addr)  # a ConnectionClosed says "connection lost: ..." itself
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # a bug must not silently end the watch

@@ -11,9 +11,8 @@ import functools
 import math
 from typing import Any, Mapping
 
-import torch
 
-from p2pk3.model.cache import DEFAULT_BLOCK_SIZE, kda_session_bytes, mla_pool_bytes
+from p2pk3.model.cache_sizes import BF16, DEFAULT_BLOCK_SIZE, kda_session_bytes, mla_pool_bytes
 from p2pk3.model.config import K3Config
 from p2pk3.model.weights import embed_tensors, head_tensors, layer_tensors, mlp_tensors
 from p2pk3.quant.formats import class_of, packed_bytes, parse_formats
@@ -21,13 +20,13 @@ from p2pk3.quant.formats import class_of, packed_bytes, parse_formats
 from .plans import SlotPlan
 from .specs import GiB, MemorySpec
 
-CACHE_DTYPE = torch.bfloat16  # the MLA pages on a card (the stage's activation dtype)
+CACHE_DTYPE = BF16  # the MLA pages on a card (the stage's activation dtype)
 Items = dict[tuple[str, str], int]  # (tensor class, stored as) -> bytes
 
 
 def nbytes(specs: Mapping[str, Any]) -> int:
     """Bytes of a tensor inventory (name -> TensorSpec) as the checkpoint stores it."""
-    return sum(math.prod(s.shape) * s.dtype.itemsize for s in specs.values())
+    return sum(math.prod(s.shape) * s.itemsize for s in specs.values())
 
 
 def slot_tensors(cfg: K3Config, plan: SlotPlan) -> dict[str, Any]:
@@ -63,7 +62,7 @@ def weight_class(name: str, shape: tuple[int, ...]) -> str:
     return "norms"
 
 
-_LABEL = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.uint8: "mxfp4"}  # uint8: the packed experts
+_LABEL = {"bfloat16": "bf16", "float32": "fp32", "uint8": "mxfp4"}  # uint8: the packed experts
 
 
 def tensor_bytes(name: str, spec: Any, formats: Mapping[str, str]) -> tuple[str, str, int]:
@@ -72,7 +71,7 @@ def tensor_bytes(name: str, spec: Any, formats: Mapping[str, str]) -> tuple[str,
     fmt = formats.get(cls, "bf16")
     if fmt != "bf16" and len(spec.shape) == 2:
         return cls, fmt, packed_bytes(spec.shape[0], spec.shape[1], fmt)
-    return cls, _LABEL.get(spec.dtype, str(spec.dtype).replace("torch.", "")), math.prod(spec.shape) * spec.dtype.itemsize
+    return cls, _LABEL.get(spec.dtype_name, spec.dtype_name), math.prod(spec.shape) * spec.itemsize
 
 
 def formats_key(formats: Mapping[str, str] | str | None) -> tuple:
@@ -139,7 +138,7 @@ def weight_bytes(cfg: K3Config, plan: SlotPlan, formats: Mapping[str, str] | Non
     return sum(weight_items(cfg, plan, formats).values())
 
 
-def loaded_weight_bytes(stage: torch.nn.Module) -> int:
+def loaded_weight_bytes(stage) -> int:
     """What a loaded stage holds in weights: its parameters and persistent buffers, each storage once
     (the figure `weight_bytes` estimates; a node reports it in its status as memory.weights)."""
     seen: dict[tuple[int, int], int] = {}
@@ -155,13 +154,13 @@ def kda_state_bytes(cfg: K3Config) -> int:
     return kda_session_bytes(cfg.kda_num_heads, cfg.kda_head_dim, 3 * hk, cfg.kda_conv_size)
 
 
-def mla_token_bytes(cfg: K3Config, dtype: torch.dtype = CACHE_DTYPE) -> int:
+def mla_token_bytes(cfg: K3Config, dtype=CACHE_DTYPE) -> int:
     """One token of the MLA latent cache in one layer ([kv_lora_rank + rope] in `dtype`): what a decode step
     reads per token of context."""
     return cfg.mla_cache_width * dtype.itemsize
 
 
-def mla_cache_bytes(cfg: K3Config, sessions: int, context: int, dtype: torch.dtype = CACHE_DTYPE,
+def mla_cache_bytes(cfg: K3Config, sessions: int, context: int, dtype=CACHE_DTYPE,
                     block_size: int = DEFAULT_BLOCK_SIZE) -> int:
     """One MLA layer's paged cache for `sessions` x `context` tokens, as StageCache allocates it."""
     return mla_pool_bytes(sessions * context, sessions, cfg.mla_cache_width, dtype, block_size)
@@ -178,7 +177,7 @@ def logits_bytes(cfg: K3Config, sessions: int) -> int:
 
 
 def runtime_items(cfg: K3Config, plan: SlotPlan, memory: MemorySpec | None = None,
-                  dtype: torch.dtype = CACHE_DTYPE) -> list[tuple[str, str, int]]:
+                  dtype=CACHE_DTYPE) -> list[tuple[str, str, int]]:
     """(item, detail, bytes) on top of the weights: KDA state and MLA cache of the attention held here,
     the prefill workspace, the logits on the head slot, the CUDA reserve (an estimate beyond the caches)."""
     m = memory or MemorySpec()
@@ -201,7 +200,7 @@ def runtime_items(cfg: K3Config, plan: SlotPlan, memory: MemorySpec | None = Non
 
 
 def runtime_bytes(cfg: K3Config, plan: SlotPlan, memory: MemorySpec | None = None,
-                  dtype: torch.dtype = CACHE_DTYPE) -> int:
+                  dtype=CACHE_DTYPE) -> int:
     """Caches and workspace on top of the weights (see `runtime_items`)."""
     return sum(b for _, _, b in runtime_items(cfg, plan, memory, dtype))
 
