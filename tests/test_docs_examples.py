@@ -197,8 +197,9 @@ def test_deploy_doc_commands_run_on_loopback(tmp_path):
         dash = sub(next(c for c in _deploy_commands() if c.startswith("p2pk3 dashboard")))
         deadline = time.monotonic() + 120
         while True:
-            r = _sh(dash.replace("p2pk3 ", f"{sys.executable} -m p2pk3.cli ", 1) + " --once", env=env)
-            if r.returncode == 0 and all(f"{s.id}" in r.stdout for s in topo.active) and "down" not in r.stdout:
+            r = _sh(dash.replace("p2pk3 ", f"{sys.executable} -m p2pk3.cli ", 1) + " --json", env=env)
+            states = {row["slot"]: row["state"] for row in json.loads(r.stdout)["slots"]} if r.returncode == 0 else {}
+            if all(states.get(s.id) == "up" for s in topo.active):  # the doc's dashboard says every slot serves
                 break
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
                 (r.stdout[-1500:], r.stderr[-1500:], [p.stderr.read() for p in procs if p.poll() is not None])

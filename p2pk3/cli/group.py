@@ -24,8 +24,8 @@ class _Main(click.Group):
             cmd = e.ctx.command_path if e.ctx is not None else "p2pk3"
             click.echo(f"Error: {_shorten(e.format_message())}  ({cmd} --help)", err=True)
             sys.exit(e.exit_code)
-        except click.ClickException as e:
-            click.echo(f"Error: {_shorten(e.format_message())}", err=True)
+        except click.ClickException as e:  # our own errors: said whole (they name the file, the figure, the fix)
+            click.echo(f"Error: {e.format_message()}", err=True)
             sys.exit(e.exit_code)
         except click.Abort:
             click.echo("Aborted!", err=True)
@@ -55,7 +55,7 @@ def _one_line(e: Exception) -> str:
 
 
 _NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
-MAX_ERROR = 300  # characters of an error line; the rest is behind --verbose
+MAX_ERROR = 300  # characters of a usage error line (click echoes the bad value, however long)
 
 
 def _shorten(msg: str) -> str:
