@@ -12,6 +12,7 @@ class NodeOptions:
     advertise_host: str | None = None  # the address peers dial (default: host)
     dtype: str = "float32"
     device: str = "cpu"
+    compile: bool | None = None  # compiled decode step (p2pk3.model.compiled); None: on for CUDA, off on the CPU
     max_sessions: int = 32  # sessions held at once (KDA state rows)
     cache_tokens: int = 32768  # MLA cache tokens over all sessions
     max_batch_tokens: int = 2048  # tokens in one stage batch
