@@ -34,8 +34,8 @@ def _luts(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """[..., out, in/2] u8 + [..., out, in/32] u8 -> [..., out, in] fp32 (scale 0xFF -> NaN)."""
     pairs, e8m0 = _luts(packed.device)
-    vals = pairs[packed.long()]  # [..., out, in/2, 2]
-    s = e8m0[scale.long()]  # [..., out, in/32]
+    vals = pairs.index_select(0, packed.reshape(-1).int())  # [out * in/2, 2] (index_select: ~4x `pairs[idx]` on CPU)
+    s = e8m0.index_select(0, scale.reshape(-1).int()).view(scale.shape)  # [..., out, in/32]
     return (vals.view(*scale.shape, -1) * s.unsqueeze(-1)).view(*packed.shape[:-1], -1)
 
 
@@ -59,7 +59,8 @@ def mxfp4_moe(z: torch.Tensor, w1_packed, w1_scale, w3_packed, w3_scale, w2_pack
     N, W = z.shape
     if topk_ids.numel() * 3 * w1_packed.shape[1] * W <= GATHER_MAX_ELEMS:
         ids = topk_ids.clamp(min=0)
-        w1, w3, w2 = (dequant_mxfp4(p[ids], s[ids]) for p, s in
+        once = ids.numel() >= w1_packed.shape[0]  # as many choices as experts: dequantize each once, then gather
+        w1, w3, w2 = ((dequant_mxfp4(p, s)[ids] if once else dequant_mxfp4(p[ids], s[ids])) for p, s in
                       ((w1_packed, w1_scale), (w3_packed, w3_scale), (w2_packed, w2_scale)))
         return _gathered(z.float(), w1, w3, w2, topk_ids, topk_weights, activation, beta1, beta2)
     out = torch.zeros(N, W, dtype=torch.float32, device=z.device)
