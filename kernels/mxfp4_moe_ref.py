@@ -77,6 +77,28 @@ def mxfp4_moe(z: torch.Tensor, w1_packed, w1_scale, w3_packed, w3_scale, w2_pack
     return out
 
 
+def dequantized_moe(z: torch.Tensor, w1, w3, w2, topk_ids, topk_weights, activation: str = "situ",
+                    beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
+    """mxfp4_moe over experts dequantized once (at load): w1/w3 [E, I, W], w2 [E, W, I] holding the MXFP4
+    values exactly (bf16 holds every E2M1 x E8M0 value). The same fp32 arithmetic as mxfp4_moe, without
+    the per-step dequantization; returns u [N, W] fp32."""
+    N, W = z.shape
+    zf = z.float()
+    if topk_ids.numel() * 3 * w1.shape[1] * W <= GATHER_MAX_ELEMS:
+        ids = topk_ids.clamp(min=0)
+        return _gathered(zf, w1[ids].float(), w3[ids].float(), w2[ids].float(), topk_ids, topk_weights,
+                         activation, beta1, beta2)
+    out = torch.zeros(N, W, dtype=torch.float32, device=z.device)
+    for e in torch.unique(topk_ids).tolist():
+        if e < 0:
+            continue
+        rows, cols = (topk_ids == e).nonzero(as_tuple=True)
+        x = zf[rows]
+        h = glu_act(x @ w1[e].float().T, x @ w3[e].float().T, activation, beta1, beta2)
+        out.index_add_(0, rows, (h @ w2[e].float().T) * topk_weights[rows, cols].float().unsqueeze(-1))
+    return out
+
+
 def dense_moe(z: torch.Tensor, w1, w3, w2, topk_ids, topk_weights, activation: str = "silu",
               beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
     """Same as mxfp4_moe for unquantized experts (Kimi Linear): w1/w3 [E, I, W], w2 [E, W, I]."""

@@ -85,3 +85,13 @@ def test_compile_default_by_device(monkeypatch):
     assert compiled.default_compile("cpu")
     monkeypatch.setenv("P2PK3_COMPILE", "0")
     assert not compiled.default_compile("cuda")
+
+
+def test_dequantized_experts_give_the_same_logits(model):
+    """LatentMoE.dequantize_experts (a CPU option): the same arithmetic on the same values as the packed path."""
+    ref, ref_tok = _greedy(Pipeline.load(model, 1, compile=False, max_sessions=4, max_tokens=512), 3, 5, 4)
+    pipe = Pipeline.load(model, 1, compile=False, dequant_experts=True, max_sessions=4, max_tokens=512)
+    assert any(getattr(m, "dequantized", False) for m in pipe.stages[0].modules())
+    out, out_tok = _greedy(pipe, 3, 5, 4)
+    assert float((out - ref).abs().max() / ref.abs().max()) <= 1e-6
+    assert torch.equal(out_tok, ref_tok)

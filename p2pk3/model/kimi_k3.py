@@ -418,6 +418,21 @@ class LatentMoE(nn.Module):
                     out[f"experts.{e}.{w}.{k}"] = (f"{w}_{k.split('_')[-1]}" if k != "weight" else f"{w}_weight", li, k)
         return out
 
+    dequantized = False  # MXFP4 experts held dequantized (dequantize_experts)
+
+    def dequantize_experts(self) -> None:
+        """Hold the MXFP4 routed experts dequantized, in bf16 (every MXFP4 value exactly; 4x the packed bytes),
+        as `w{1,2,3}_weight`: the torch path then skips the per-step dequantization (same arithmetic, same
+        values). A CPU option (`load_stage(..., dequant_experts=True)`); the Triton kernels read the packed
+        bytes themselves and need no such copy."""
+        from p2pk3_kernels.mxfp4_moe_ref import dequant_mxfp4
+        if self.cfg.quant is None or self.dequantized:
+            return
+        for w in ("w1", "w2", "w3"):
+            packed, scale = self._buffers.pop(f"{w}_packed"), self._buffers.pop(f"{w}_scale")
+            self.register_buffer(f"{w}_weight", dequant_mxfp4(packed, scale).to(torch.bfloat16))
+        self.dequantized = True
+
     def enable_master_experts(self, init: dict[str, torch.Tensor] | None = None) -> None:
         """Training: hold float master weights `w{1,2,3}_master` [E, out, in] as parameters; the forward
         uses their MXFP4 fake-quantization with a straight-through gradient (quantization-aware training)."""
@@ -455,6 +470,9 @@ class LatentMoE(nn.Module):
             fq = fake_quant_mxfp4_ste if c.quant is not None else (lambda t: t)
             return ops.dense_moe(z, fq(self.w1_master), fq(self.w3_master), fq(self.w2_master), local, w,
                                  c.hidden_act, c.situ_beta, c.situ_linear_beta)
+        if self.dequantized:
+            return ops.dequantized_moe(z, self.w1_weight, self.w3_weight, self.w2_weight, local, w, c.hidden_act,
+                                       c.situ_beta, c.situ_linear_beta)
         if c.quant is not None:
             return ops.mxfp4_moe(z, self.w1_packed, self.w1_scale, self.w3_packed, self.w3_scale, self.w2_packed,
                                  self.w2_scale, local, w, c.hidden_act, c.situ_beta, c.situ_linear_beta)
