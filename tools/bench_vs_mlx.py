@@ -79,12 +79,13 @@ def mlx_decode(model: str, vocab: int, batches, steps, prompt, repeats, dtype, p
     return json.loads(line[0][len("RESULT "):])
 
 
-def p2pk3_decode(model: str, batches, steps, prompt, repeats, dtype, compile: bool) -> tuple[list[dict], float]:
+def p2pk3_decode(model: str, batches, steps, prompt, repeats, dtype, compile: bool,
+                 dequant: bool = False) -> tuple[list[dict], float]:
     """Rows of tokens/s, and the seconds the first decode step of each batch size took (the compile)."""
     from p2pk3.engine.reference import Pipeline
     from p2pk3.model.cache import Span
 
-    pipe = Pipeline.load(model, 1, dtype=dtype, compile=compile, max_sessions=max(batches),
+    pipe = Pipeline.load(model, 1, dtype=dtype, compile=compile, dequant_experts=dequant, max_sessions=max(batches),
                          max_tokens=max(batches) * (prompt + steps + 8) * (repeats + 1))
     vocab = pipe.cfg.vocab_size
     rows, first = [], 0.0
@@ -146,20 +147,23 @@ def main(argv=None) -> None:
     report = {}
     for name, d in dirs.items():
         cfg = K3Config.from_pretrained(d)
-        ours, _ = p2pk3_decode(d, batches, a.steps, a.prompt, a.repeats, a.dtype, compile=False)
-        comp, comp_first = (p2pk3_decode(d, batches, a.steps, a.prompt, a.repeats, a.dtype, compile=True)
-                            if a.compile else (None, 0.0))
         peer = mlx_decode(d, cfg.vocab_size, batches, a.steps, a.prompt, a.repeats, a.dtype, a.mlx_python)
-        report[name] = {"p2pk3": ours, "p2pk3_compiled": comp, "compile_s": comp_first, "mlx": peer}
+        runs = {"eager": p2pk3_decode(d, batches, a.steps, a.prompt, a.repeats, a.dtype, compile=False)[0],
+                "eager, experts dequantized at load":
+                    p2pk3_decode(d, batches, a.steps, a.prompt, a.repeats, a.dtype, compile=False, dequant=True)[0]}
+        comp_first = 0.0
+        if a.compile:
+            runs["compiled, experts dequantized at load"], comp_first = p2pk3_decode(
+                d, batches, a.steps, a.prompt, a.repeats, a.dtype, compile=True, dequant=True)
+        report[name] = {"p2pk3": runs, "compile_s": comp_first, "mlx": peer}
         print(f"{name} ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_experts} experts):")
         for i, b in enumerate(batches):
-            o, m = ours[i]["tokens_per_s"], peer[i]["tokens_per_s"]
-            line = f"  batch {b}: p2pk3 {o:8.1f} tok/s  mlx-lm {m:8.1f} tok/s  ratio {o / m:5.2f}x"
-            if comp:
-                c = comp[i]["tokens_per_s"]
-                line += f"  | compiled {c:8.1f} tok/s  ratio {c / m:5.2f}x"
-            print(line)
-        if comp:
+            m = peer[i]["tokens_per_s"]
+            print(f"  batch {b}: mlx-lm {m:8.1f} tok/s")
+            for label, rows in runs.items():
+                o = rows[i]["tokens_per_s"]
+                print(f"           p2pk3 {o:8.1f} tok/s  ratio {o / m:5.2f}x  ({label})")
+        if a.compile:
             print(f"  compile paid at the first decode step: {comp_first:.1f} s over {len(batches)} batch sizes")
         if a.ops:
             sys.path.insert(0, str(Path(__file__).resolve().parent))
