@@ -25,10 +25,10 @@ from p2pk3.model.config import K3Config
 LAUNCHES = {"kda": 49, "mla": 56, "moe": 92, "dense": 27, "embed_head": 13}
 LAUNCHES_SOURCE = "tools/count_ops.py --kernels triton, tiny K3, batch 1 (2026-12-01, docs/benchmarks.md issue 22)"
 
-US_PER_LAUNCH = {"eager": 10.0, "graphed": 3.2}
+US_PER_LAUNCH = {"eager": 6.2, "graphed": 3.2}
 US_PER_LAUNCH_SOURCE = {
-    "eager": "measured here: eager torch-path decode step of the tiny K3 on the 2-core CPU host, ms per step / "
-             "launches per step (docs/benchmarks.md, issue 22)",
+    "eager": "measured here: eager torch-path decode step of the tiny K3 on the 2-core CPU host, 5.41 ms per step "
+             "/ 873 launches per step = 6.2 us (docs/benchmarks.md, issue 22); a GPU adds cudaLaunchKernel",
     "graphed": "research 6.3: ~80 us per ~25 small kernels with CUDA graphs (3.2 us per kernel)",
 }
 
