@@ -8,8 +8,9 @@ sequences grow, no host sync inside). Prefill, mixed and verify batches run eage
 
 Exact against eager up to float rounding (tests/test_compiled.py: <= 1e-5 relative logits, the same
 greedy tokens). Anything that keeps a graph from being built (an unsupported op, a graph break under
-`fullgraph=True`, no compiler for the host) falls back to eager for that stage, once, with a log line that
-says why. Inductor's caches (on by default, under TORCHINDUCTOR_CACHE_DIR) make a restart recompile
+`fullgraph=True`, no compiler for the host) falls back, once, with a log line that says why: on CUDA to
+the eager step captured per bucket by `torch.cuda.CUDAGraph` (the kernels are sync-free), else (or when
+that capture fails too) to eager for that stage. Inductor's caches (on by default, under TORCHINDUCTOR_CACHE_DIR) make a restart recompile
 from cache.
 """
 from __future__ import annotations
@@ -56,8 +57,12 @@ class CompiledDecode:
         if getattr(dyn, "recompile_limit", 0) < RECOMPILE_LIMIT:
             dyn.recompile_limit = RECOMPILE_LIMIT
         mode = "reduce-overhead" if self.cuda_graphs else None
+        self.step = step
         self.fn = torch.compile(step, fullgraph=True, dynamic=False, mode=mode)
         self._static: set[int] = set()
+        # CUDA, torch.compile failed: the eager step captured per bucket by torch.cuda.CUDAGraph instead
+        self.explicit = False
+        self._graphs: dict[tuple, tuple] = {}
 
     def prepare(self, batch: Batch) -> tuple:
         """Fill the batch's index tensors outside the graph; the bucket key."""
@@ -86,6 +91,8 @@ class CompiledDecode:
         if self.failed:
             return None
         key = self.prepare(batch)
+        if self.explicit:
+            return self._replay(key, batch, args)
         first = key not in self.compile_s
         t0 = time.perf_counter()
         try:
@@ -95,7 +102,13 @@ class CompiledDecode:
         except Exception as e:  # noqa: BLE001 (any compiler failure: run eager, say why)
             if not first:
                 raise
-            self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            if self.cuda and self.cuda_graphs:  # this call runs eager (the warm-up); later ones replay a capture
+                self.explicit = True
+                log.warning("stage %s: torch.compile failed (%s); capturing the eager decode step as CUDA graphs",
+                            self.stage.plan.layers, why)
+                return None
+            self.failed = why
             log.warning("stage %s: compiled decode off, running eager (%s)", self.stage.plan.layers, self.failed)
             return None
         if first:
@@ -106,3 +119,34 @@ class CompiledDecode:
         if self.cuda_graphs:  # a graph's outputs are overwritten by its next replay
             out = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in out)
         return out
+
+    def _replay(self, key: tuple, batch: Batch, args: tuple):
+        """The eager step as a torch.cuda.CUDAGraph of this bucket: captured on the bucket's first call here (the
+        capture records, the replay runs it once), then replayed with the step's inputs copied into the
+        captured buffers. A capture that fails (a host sync in the step) turns the stage eager, with why."""
+        if key not in self._graphs:
+            memo = {k: v.clone() for k, v in batch._memo.items()}
+            static = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+            batch._memo.update(memo)  # the captured kernels read these buffers
+            g = torch.cuda.CUDAGraph()
+            t0 = time.perf_counter()
+            try:
+                with torch.cuda.graph(g):
+                    out = self.step(batch, *static)
+            except Exception as e:  # noqa: BLE001
+                self.failed = f"CUDA graph capture: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                log.warning("stage %s: compiled decode off, running eager (%s)", self.stage.plan.layers, self.failed)
+                return None
+            self._graphs[key] = (g, memo, static, out)
+            self.compile_s[key] = time.perf_counter() - t0
+            log.info("stage %s: decode step for batch %d, block width %d captured as a CUDA graph in %.1f s",
+                     self.stage.plan.layers, key[0], key[1], self.compile_s[key])
+        else:
+            g, memo, static, out = self._graphs[key]
+            for k, v in memo.items():
+                v.copy_(batch._memo[k])
+            for s, a in zip(static, args):
+                if isinstance(s, torch.Tensor):
+                    s.copy_(a)
+        self._graphs[key][0].replay()
+        return tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in self._graphs[key][3])
