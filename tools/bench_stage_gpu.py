@@ -27,7 +27,19 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def _this_trees_kernels() -> None:
+    """Import `p2pk3_kernels` from this tree's kernels/ (an installed copy may be another checkout's)."""
+    import tempfile
+    shim = Path(tempfile.mkdtemp(prefix="p2pk3-kernels-"))
+    (shim / "p2pk3_kernels").symlink_to(ROOT / "kernels", target_is_directory=True)
+    sys.path.insert(0, str(shim))
+
+
+_this_trees_kernels()
 
 from p2pk3.model.cache import Span  # noqa: E402
 from p2pk3.model.config import KIMI_K3, TINY_K3  # noqa: E402
