@@ -14,6 +14,9 @@ pass. Three counts per part:
            (p2pk3.sim.overhead);
   casts    `aten::to` / `aten::_to_copy` events (dtype round trips on the hot path).
 "stage" is the whole pass (embedding, every layer, head, the batch's index tensors).
+On the Triton path each kernel launch counts as one compute op, and the aten ops issued inside a launch
+are left out (under TRITON_INTERPRET=1 the interpreter copies every tensor argument to the host and back:
+those copies do not exist on a GPU).
 """
 from __future__ import annotations
 
@@ -33,16 +36,49 @@ VIEWS = {
     "view", "reshape", "_reshape_alias", "as_strided", "slice", "select", "unsqueeze", "squeeze", "expand",
     "transpose", "t", "permute", "alias", "detach", "unflatten", "flatten", "split", "split_with_sizes", "chunk",
     "narrow", "unbind", "_unsafe_view", "lift_fresh", "view_as", "expand_as", "numpy_T", "contiguous",
-    "result_type", "is_nonzero", "_local_scalar_dense_view", "diagonal", "movedim", "unfold", "index_select_view",
+    "result_type", "is_nonzero", "resolve_conj", "resolve_neg", "_local_scalar_dense_view", "diagonal", "movedim", "unfold", "index_select_view",
 }
 ALLOCS = {"empty", "empty_strided", "empty_like", "zeros_like_alloc", "resize_", "set_", "_empty_affine_quantized"}
 CASTS = {"to", "_to_copy"}
+LAUNCH = "triton::launch"
+
+
+def mark_triton_launches() -> None:
+    """Wrap every Triton kernel launch (compiled or interpreted) in a profiler range named LAUNCH."""
+    from torch.profiler import record_function
+    from triton.runtime.jit import JITFunction
+    classes = [JITFunction]
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+        classes.append(InterpretedFunction)
+    except ImportError:
+        pass
+    for cls in classes:
+        if getattr(cls.run, "_counted", False):
+            continue
+        run = cls.run
+
+        def counted(self, *a, _run=run, **k):
+            with record_function(LAUNCH):
+                return _run(self, *a, **k)
+        counted._counted = True
+        cls.run = counted
+
+
+def _in_launch(e) -> bool:
+    p = e.cpu_parent
+    while p is not None:
+        if p.name == LAUNCH:
+            return True
+        p = p.cpu_parent
+    return False
 
 
 def classify(events) -> dict[str, int]:
     """aten events -> {"all", "compute", "casts"} counts (see the module docstring)."""
-    ev = [e for e in events if e.name.startswith("aten::")]
-    out = {"all": len(ev), "compute": 0, "casts": 0}
+    launches = sum(1 for e in events if e.name == LAUNCH)
+    ev = [e for e in events if e.name.startswith("aten::") and not _in_launch(e)]
+    out = {"all": len(ev) + launches, "compute": launches, "casts": 0}
     for e in ev:
         name = e.name[len("aten::"):]
         if name in CASTS:
@@ -119,6 +155,8 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     from p2pk3_kernels import ops
     ops.force(a.kernels)
+    if a.kernels == "triton":
+        mark_triton_launches()
     tmp = None
     model = a.model
     if model is None:

@@ -2,7 +2,7 @@
 measured) times a cost per launch (with its source), eager or captured in CUDA graphs.
 
 Launches per layer part: the non-view, non-allocation leaf aten ops of one decode pass on the Triton path
-(what a GPU runs), counted with torch's profiler by `python tools/count_ops.py --kernels triton`
+(what a GPU runs; a Triton launch counts one, the interpreter's own copies inside it none), counted with torch's profiler by `python tools/count_ops.py --kernels triton`
 (TRITON_INTERPRET=1 on a CPU: the same ops, the kernels interpreted; docs/benchmarks.md, "issue 22"). The
 counts do not depend on the model's widths on the decode path, so the tiny K3's counts are K3's.
 
@@ -22,13 +22,13 @@ from __future__ import annotations
 from p2pk3.model.config import K3Config
 
 # launches per layer part, Triton path, one decode pass (tools/count_ops.py, 2026-12-01, after issue 22)
-LAUNCHES = {"kda": 49, "mla": 56, "moe": 92, "dense": 27, "embed_head": 13}
+LAUNCHES = {"kda": 24, "mla": 30, "moe": 58, "dense": 18, "embed_head": 9}
 LAUNCHES_SOURCE = "tools/count_ops.py --kernels triton, tiny K3, batch 1 (2026-12-01, docs/benchmarks.md issue 22)"
 
-US_PER_LAUNCH = {"eager": 6.2, "graphed": 3.2}
+US_PER_LAUNCH = {"eager": 8.3, "graphed": 3.2}
 US_PER_LAUNCH_SOURCE = {
     "eager": "measured here: eager torch-path decode step of the tiny K3 on the 2-core CPU host, 5.41 ms per step "
-             "/ 873 launches per step = 6.2 us (docs/benchmarks.md, issue 22); a GPU adds cudaLaunchKernel",
+             "/ 655 launches per step = 8.3 us (docs/benchmarks.md, issue 22); a GPU adds cudaLaunchKernel",
     "graphed": "research 6.3: ~80 us per ~25 small kernels with CUDA graphs (3.2 us per kernel)",
 }
 
