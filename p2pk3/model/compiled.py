@@ -31,9 +31,9 @@ RECOMPILE_LIMIT = 64  # graphs per stage: batch sizes x block-table widths (dyna
 
 def default_compile(device: str | torch.device) -> bool:
     """Whether a stage compiles its decode step unless told: on CUDA yes (CUDA graphs remove the launch cost of
-    the ~hundreds of small ops per layer); on the CPU no (measured in docs/benchmarks.md, "issue 22": the tiny
-    and small checkpoints decode no faster compiled, and the start-up pays the compile).
-    P2PK3_COMPILE=1/0 overrides."""
+    the tens of small kernels per layer); on the CPU no (docs/benchmarks.md, "issue 22": compiled steps are
+    1.3-2.7x faster on the tiny and small checkpoints, but every new batch size compiles its own graph, 15-120 s
+    on the dev host while the stage waits). P2PK3_COMPILE=1/0 overrides."""
     env = os.environ.get("P2PK3_COMPILE")
     if env is not None:
         return env not in ("0", "", "false", "no")
