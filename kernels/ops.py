@@ -74,4 +74,5 @@ kda_prefill = _pick("kda", "kda_prefill", kda_ref.kda_prefill)
 mla_decode = _pick("mla_decode", "mla_decode", mla_decode_ref.mla_decode)
 mxfp4_moe = _pick("mxfp4_moe", "mxfp4_moe", mxfp4_moe_ref.mxfp4_moe)
 mx_linear = _pick("mx_linear", "mx_linear", mx_linear_ref.mx_linear)  # MXFP8 / MXFP4 dense weights (p2pk3.quant.formats)
-dense_moe = mxfp4_moe_ref.dense_moe  # unquantized experts (Kimi Linear): torch matmuls are already the fast path
+dense_moe = mxfp4_moe_ref.dense_moe
+dequantized_moe = mxfp4_moe_ref.dequantized_moe  # MXFP4 experts dequantized at load (CPU option, LatentMoE.dequantize_experts)  # unquantized experts (Kimi Linear): torch matmuls are already the fast path

@@ -13,9 +13,13 @@ from .loader import load_stage_weights
 
 
 def load_stage(model_dir: str | Path, plan: StagePlan, dtype="float32", device="cpu",
-               cfg: K3Config | None = None, formats=None, formats_cache: str | Path | None = None) -> K3Stage:
+               cfg: K3Config | None = None, formats=None, formats_cache: str | Path | None = None,
+               compile: bool | None = None, dequant_experts: bool = False) -> K3Stage:
     """`formats`: per tensor class weight format (p2pk3.quant.formats; None / {} = BF16 as shipped), converted
-    once here; `formats_cache`: a file for the converted tensors (reused while the shards are unchanged)."""
+    once here; `formats_cache`: a file for the converted tensors (reused while the shards are unchanged);
+    `compile`: the compiled decode step (`K3Stage.compile_decode`; None: the device's default);
+    `dequant_experts`: hold the MXFP4 experts dequantized (`LatentMoE.dequantize_experts`: faster on the
+    CPU's torch path, 4x the expert bytes)."""
     cfg = cfg or K3Config.from_pretrained(model_dir)
     state = load_stage_weights(model_dir, cfg, layers=plan.layers, experts=plan.experts or None, embed=plan.embed,
                                head=plan.head, layer_parts=plan.parts or None)
@@ -23,4 +27,10 @@ def load_stage(model_dir: str | Path, plan: StagePlan, dtype="float32", device="
     if formats:
         from p2pk3.quant.convert import apply_formats, source_fingerprint
         apply_formats(stage, formats, cache=formats_cache, source=source_fingerprint(model_dir))
+    if dequant_experts:
+        from p2pk3.model.kimi_k3 import LatentMoE
+        for m in stage.modules():
+            if isinstance(m, LatentMoE):
+                m.dequantize_experts()
+    stage.compile_decode(compile)
     return stage

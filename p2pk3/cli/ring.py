@@ -40,9 +40,11 @@ def _stop_on_signals(stop):
 @click.option("--drop-beacons", is_flag=True, hidden=True, help="fault injection: received beacons are lost")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
               help="serve Prometheus metrics on http://HOST:PORT/metrics (off by default)")
+@click.option("--compile/--no-compile", "compile_decode", default=None,
+              help="compiled decode step (CUDA graphs on a GPU); default: on for CUDA, off on the CPU")
 @click.option("-v", "--verbose", count=True)
 def node(topology_path, slot, standby, host, port, dtype, device, max_sessions, cache_tokens, discovery,
-         advertise_host, heartbeat, dead_after, drop_beacons, verbose, metrics_port):
+         advertise_host, heartbeat, dead_after, drop_beacons, verbose, metrics_port, compile_decode):
     """Run one node daemon of the ring."""
     import asyncio
     import logging
@@ -80,7 +82,7 @@ def node(topology_path, slot, standby, host, port, dtype, device, max_sessions, 
     opts = NodeOptions(host=host or topo.slot(slot).host or "0.0.0.0", port=port, dtype=dtype, device=device,
                        max_sessions=max_sessions, cache_tokens=cache_tokens, discovery=discovery,
                        advertise_host=advertise_host, heartbeat_s=heartbeat, dead_after_s=dead_after,
-                       drop_beacons=drop_beacons)
+                       drop_beacons=drop_beacons, compile=compile_decode)
     d = NodeDaemon(topo, slot, model_dir=topology_model_dir(topo), secret=secret, options=opts)
 
     async def run_daemon():

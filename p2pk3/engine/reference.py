@@ -42,14 +42,19 @@ class Pipeline:
 
     @classmethod
     def load(cls, model_dir: str | Path, n_stages: int = 1, dtype="float32", device="cpu",
-             plans: list[StagePlan] | None = None, formats=None, **cache_kw) -> "Pipeline":
+             plans: list[StagePlan] | None = None, formats=None, compile: bool | None = None,
+             dequant_experts: bool = False, **cache_kw) -> "Pipeline":
+        """`compile`: the stages' compiled decode step (p2pk3.model.compiled; None: on for CUDA, off on the CPU,
+        P2PK3_COMPILE=1/0 overrides); `dequant_experts`: MXFP4 experts held dequantized (checkpoint.stage)."""
         from p2pk3.deploy.integrity import check_checkpoint  # the shards against the manifest, as a node does
         cfg = K3Config.from_pretrained(model_dir)
         check_checkpoint(model_dir)
         if torch.device(device).type == "cpu":
             configure_cpu_threads(cfg)
         plans = plans or StagePlan.split_even(cfg, n_stages)
-        return cls([load_stage(model_dir, p, dtype, device, cfg, formats) for p in plans], **cache_kw)
+        return cls([load_stage(model_dir, p, dtype, device, cfg, formats, compile=compile,
+                               dequant_experts=dequant_experts) for p in plans],
+                   **cache_kw)
 
     def open(self, session: str) -> None:
         opened = []

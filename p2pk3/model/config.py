@@ -562,6 +562,17 @@ TINY_K3 = KIMI_K3.replace(
     moe_intermediate_size=32, routed_expert_hidden_size=32, attn_res_block_size=2,
 )
 
+# A "small" K3 for CPU benchmarks (tools/bench_vs_mlx.py): the same structure, widths where per-op overhead
+# no longer dominates every matmul (~40M parameters).
+SMALL_K3 = KIMI_K3.replace(
+    vocab_size=8192, hidden_size=512, num_hidden_layers=8, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    full_attn_layers=_k3_full_attn(8),
+    kda_num_heads=4, kda_head_dim=64,
+    num_attention_heads=8, q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+    intermediate_size=1536, num_experts=32, num_experts_per_token=4, num_shared_experts=1,
+    moe_intermediate_size=256, routed_expert_hidden_size=256, attn_res_block_size=2,
+)
+
 TINY_KIMI_LINEAR = KIMI_LINEAR_48B.replace(
     vocab_size=512, hidden_size=64, num_hidden_layers=4, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     full_attn_layers=(3,), kda_num_heads=2, kda_head_dim=16,
@@ -573,6 +584,7 @@ PRESETS: dict[str, K3Config] = {
     "kimi-k3": KIMI_K3,
     "kimi-linear-48b": KIMI_LINEAR_48B,
     "tiny-k3": TINY_K3,
+    "small-k3": SMALL_K3,
     "tiny-kimi-linear": TINY_KIMI_LINEAR,
 }
 

@@ -32,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from p2pk3_kernels import ops
+from p2pk3_kernels.mxfp4_moe_ref import glu_act
 
 from .batch import Batch
 from .cache import KdaCheckpoint, StageCache
@@ -54,7 +55,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h.to(x.dtype) * self.weight).to(x.dtype)
+        out = h.to(x.dtype) * self.weight
+        return out if out.dtype == x.dtype else out.to(x.dtype)  # (the weight is cast at load: no cast)
 
 
 def linear(d_in: int, d_out: int) -> nn.Linear:
@@ -63,7 +65,6 @@ def linear(d_in: int, d_out: int) -> nn.Linear:
 
 def glu(g: torch.Tensor, u: torch.Tensor, cfg: K3Config) -> torch.Tensor:
     """SiTU-GLU (K3, spec 5.3) or SiLU-GLU (Kimi Linear), fp32 math, activation dtype out."""
-    from p2pk3_kernels.mxfp4_moe_ref import glu_act
     return glu_act(g, u, cfg.hidden_act, cfg.situ_beta, cfg.situ_linear_beta).to(g.dtype)
 
 
@@ -159,10 +160,16 @@ class KimiDeltaAttention(nn.Module):
         xq, xk, xv = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if batch.verify:  # speculative verify spans: the state before the pass, kept for a rollback
             before = {i: (state[int(rows[i])].clone(), hist[int(rows[i])].clone()) for i in batch.verify}
-        q = self.q_conv1d(xq, hist[:, :C], rows, seqs)
-        k = self.k_conv1d(xk, hist[:, C:2 * C], rows, seqs)
-        v = self.v_conv1d(xv, hist[:, 2 * C:], rows, seqs)
-        q, k, v = (t.to(x.dtype).reshape(N, H, K) for t in (q, k, v))
+        if batch.decode:  # the three short convs as one window over the q | k | v histories (ShortConv's math)
+            w = torch.cat([m.weight[:, 0, :] for m in (self.q_conv1d, self.k_conv1d, self.v_conv1d)], 0).float()
+            win = torch.cat([hist[rows], torch.cat([xq, xk, xv], -1).float().unsqueeze(-1)], -1)  # [B, 3C, K]
+            hist[rows] = win[..., 1:]
+            q, k, v = F.silu((win * w).sum(-1)).to(x.dtype).view(N, 3, H, K).unbind(1)
+        else:
+            q = self.q_conv1d(xq, hist[:, :C], rows, seqs)
+            k = self.k_conv1d(xk, hist[:, C:2 * C], rows, seqs)
+            v = self.v_conv1d(xv, hist[:, 2 * C:], rows, seqs)
+            q, k, v = (t.to(x.dtype).reshape(N, H, K) for t in (q, k, v))
         a = self.f_b_proj(self.f_a_proj(x)).view(N, H, K)
         b = self.b_proj(x).float()
         if batch.verify:
@@ -398,6 +405,8 @@ class LatentMoE(nn.Module):
         cov = torch.zeros(E, dtype=torch.bool)
         cov[torch.tensor(self._covered_ids, dtype=torch.long)] = True
         self.g2l, self.covered = g2l.to(self.g2l.device), cov.to(self.covered.device)
+        # Python facts for the hot path (no device round trip per step): every expert held here / covered
+        self.holds_all, self.covers_all = len(self.held) == E, len(self._covered_ids) == E
 
     def expert_state_names(self) -> dict[str, tuple[str, int, str]]:
         """checkpoint name suffix (relative to this module) -> (buffer, local index, kind)."""
@@ -408,6 +417,21 @@ class LatentMoE(nn.Module):
                 for k in kinds:
                     out[f"experts.{e}.{w}.{k}"] = (f"{w}_{k.split('_')[-1]}" if k != "weight" else f"{w}_weight", li, k)
         return out
+
+    dequantized = False  # MXFP4 experts held dequantized (dequantize_experts)
+
+    def dequantize_experts(self) -> None:
+        """Hold the MXFP4 routed experts dequantized, in bf16 (every MXFP4 value exactly; 4x the packed bytes),
+        as `w{1,2,3}_weight`: the torch path then skips the per-step dequantization (same arithmetic, same
+        values). A CPU option (`load_stage(..., dequant_experts=True)`); the Triton kernels read the packed
+        bytes themselves and need no such copy."""
+        from p2pk3_kernels.mxfp4_moe_ref import dequant_mxfp4
+        if self.cfg.quant is None or self.dequantized:
+            return
+        for w in ("w1", "w2", "w3"):
+            packed, scale = self._buffers.pop(f"{w}_packed"), self._buffers.pop(f"{w}_scale")
+            self.register_buffer(f"{w}_weight", dequant_mxfp4(packed, scale).to(torch.bfloat16))
+        self.dequantized = True
 
     def enable_master_experts(self, init: dict[str, torch.Tensor] | None = None) -> None:
         """Training: hold float master weights `w{1,2,3}_master` [E, out, in] as parameters; the forward
@@ -423,6 +447,8 @@ class LatentMoE(nn.Module):
         ids, w = self.gate(x)
         if self.training:
             self.last_ids = ids.detach()
+        if self.covers_all:  # nothing to check, and no host sync on the decode path
+            return ids, w
         bad = ~self.covered[ids]
         if bad.any():
             missing = sorted(set(ids[bad].tolist()))
@@ -434,7 +460,7 @@ class LatentMoE(nn.Module):
         """Sum over the held routed experts, in the expert width, fp32 [N, W]."""
         c = self.cfg
         ids, w = self.route(x)
-        local = self.g2l[ids]
+        local = ids if self.holds_all else self.g2l[ids]
         z = self.routed_expert_down_proj(x) if c.routed_expert_hidden_size else x
         if self.mxfp8_activations:
             from p2pk3.quant.mxfp4 import mxfp8_e4m3_fake_quant
@@ -444,6 +470,9 @@ class LatentMoE(nn.Module):
             fq = fake_quant_mxfp4_ste if c.quant is not None else (lambda t: t)
             return ops.dense_moe(z, fq(self.w1_master), fq(self.w3_master), fq(self.w2_master), local, w,
                                  c.hidden_act, c.situ_beta, c.situ_linear_beta)
+        if self.dequantized:
+            return ops.dequantized_moe(z, self.w1_weight, self.w3_weight, self.w2_weight, local, w, c.hidden_act,
+                                       c.situ_beta, c.situ_linear_beta)
         if c.quant is not None:
             return ops.mxfp4_moe(z, self.w1_packed, self.w1_scale, self.w3_packed, self.w3_scale, self.w2_packed,
                                  self.w2_scale, local, w, c.hidden_act, c.situ_beta, c.situ_linear_beta)

@@ -111,10 +111,36 @@ class K3Stage(nn.Module):
         cache.reserve(spans)
         batch = Batch(spans, cache, self.device)
         if self.plan.embed:
-            x = self.model.embed_tokens(tokens.to(self.device))
-            R0 = 0
-            hop = Hop(prefix=x, bank=x.new_zeros(R0, *x.shape))
-        assert hop is not None, "a stage without the embedding needs the incoming hop"
+            tokens = tokens.to(self.device)
+        else:
+            assert hop is not None, "a stage without the embedding needs the incoming hop"
+        args = (tokens, *((hop.prefix, hop.bank, hop.partial) if hop is not None else (None, None, None)), logits)
+        out = None
+        if self.decode_graph is not None and batch.decode and not batch.verify and not torch.is_grad_enabled():
+            out = self.decode_graph.run(batch, *args)
+        if out is None:
+            out = self._step(batch, *args)
+        cache.commit(spans)
+        return out[0] if self.plan.head else Hop(*out)
+
+    decode_graph = None  # a CompiledDecode (p2pk3.model.compiled) once `compile_decode` is called
+
+    def compile_decode(self, enabled: bool | None = None, cuda_graphs: bool | None = None) -> bool:
+        """Run decode batches through the compiled step (`p2pk3.model.compiled`); None: the device's default
+        (`default_compile`). Returns whether it is on."""
+        from .compiled import CompiledDecode, default_compile
+        on = default_compile(self.device) if enabled is None else enabled
+        self.decode_graph = CompiledDecode(self, self._step, cuda_graphs) if on else None
+        return on
+
+    def _step(self, batch: Batch, tokens, prefix, bank, partial, logits: str) -> tuple:
+        """The layers over one batch: (logits,) on the last stage, else (prefix, bank, partial) of the hop. The
+        same code eager and compiled (tensors in, tensors out)."""
+        if self.plan.embed:
+            x = self.model.embed_tokens(tokens)
+            hop = Hop(prefix=x, bank=x.new_zeros(0, *x.shape))
+        else:
+            hop = Hop(prefix, bank, partial)
         for i in self.plan.layers:
             layer = self.model.layers[str(i)]
             parts = self.plan.parts_of(i)
@@ -122,10 +148,9 @@ class K3Stage(nn.Module):
                 layer.attn_part(hop, batch)
             if "mlp" in parts:
                 layer.mlp_part(hop, batch, self.plan.finish.get(i, True))
-        cache.commit(spans)
         if not self.plan.head:
-            return hop
-        return self.head(hop, batch.cu_seqlens, logits)
+            return hop.prefix, hop.bank, hop.partial
+        return (self.head(hop, batch.cu_seqlens, logits),)
 
     @torch.inference_mode()
     def rollback(self, cache: StageCache, session: str, length: int) -> None:
@@ -141,7 +166,7 @@ class K3Stage(nn.Module):
     def head(self, hop: Hop, cu_seqlens: list[int], which: str = "last") -> torch.Tensor:
         m = self.model
         h = m.output_attn_res(hop.bank, hop.prefix) if self.cfg.uses_attn_res else hop.prefix
-        if which == "last":
+        if which == "last" and len(cu_seqlens) - 1 != h.shape[0]:  # (one token per span: already one row each)
             h = h[torch.tensor([e - 1 for e in cu_seqlens[1:]], device=h.device)]
         h = m.norm(h)
         if which == "none":

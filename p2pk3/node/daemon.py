@@ -138,7 +138,7 @@ class NodeDaemon:
         from p2pk3.deploy.integrity import check_slot  # the shards against the manifest (IntegrityError stops us)
         await loop.run_in_executor(self._executor, check_slot, self.model_dir, self.cfg, self.plan)
         stage = await loop.run_in_executor(self._executor, load_stage, self.model_dir, plan, o.dtype, o.device,
-                                           self.cfg, self.topo.model.formats)  # weight formats: p2pk3.quant.formats
+                                           self.cfg, self.topo.model.formats, None, o.compile)  # formats: p2pk3.quant
         self.runner = StageRunner(stage, stage.new_cache(o.max_sessions, o.cache_tokens))
         self.worker = StageWorker(self.runner, self._executor, slot=slot_id, max_batch_tokens=o.max_batch_tokens,
                                   emit=self._emit, report=self._report, pass_free=self._pass_free)

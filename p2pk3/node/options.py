@@ -15,6 +15,7 @@ class NodeOptions:
     advertise_host: str | None = None  # the address peers dial (default: host)
     dtype: str = "float32"
     device: str = "cpu"
+    compile: bool | None = None  # compiled decode step (p2pk3.model.compiled); None: on for CUDA, off on the CPU
     # sessions held at once (KDA state rows) and MLA cache tokens over all sessions; None: what the topology's
     # [memory] table sized (sessions, sessions x context), else DEFAULT_SESSIONS / DEFAULT_CACHE_TOKENS
     max_sessions: int | None = None

@@ -20,6 +20,7 @@ from p2pk3.plan.memory import StageTraffic, expected_distinct, stage_traffic
 from p2pk3.topology import Topology
 
 from .hardware import ACT_BYTES, Profile, ProfileError
+from .overhead import profile_overhead_s
 
 
 @dataclass
@@ -131,7 +132,7 @@ class CostModel:
         ar = s.n_layers * float(hw.need("tensor_parallel.allreduces_per_layer")) * \
             allreduce_s(hw, n * self.cfg.hidden_size * ACT_BYTES.get(hw.get("activations.dtype", "bf16"), 2), tp) \
             if tp > 1 else 0.0
-        ov = float(hw.need("stage.overhead_us")) * 1e-6
+        ov = profile_overhead_s(hw, self.cfg, s)  # stage.overhead_us, or derived from launches (overhead.py)
         s.breakdown = {"dense weights": dense, "experts": exp, "kda/mla state": state, "compute (if bound)":
                        max(0.0, comp - mem), "tp all-reduce": ar, "overhead": ov}
         return max(mem, comp) + ar + ov
