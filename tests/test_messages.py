@@ -233,3 +233,18 @@ def test_client_replies_round_trip_and_name_the_bad_field():
         M.parse_done(Frame.make("done", request_id=1, session="s", tokens=["a"]))
     with pytest.raises(ProtocolError, match="error frame: code and message must be strings"):
         M.parse_error(Frame.make("error", code=5, message="m"))
+
+
+def test_status_and_pong_have_parsers_that_refuse_other_kinds():
+    from p2pk3.transport.codec import Frame, ProtocolError
+    from p2pk3.transport.messages import parse_pong, parse_status, ping_frame, pong_frame, status_frame
+    assert parse_status(status_frame(slot="s1", role="entry", sessions=3)) == {"kind": "status", "slot": "s1",
+                                                                                 "role": "entry", "sessions": 3}
+    pong = parse_pong(pong_frame(ping_frame(7, 123), slot="s2", epoch=4))
+    assert (pong["id"], pong["t_ns"], pong["slot"], pong["epoch"]) == (7, 123, "s2", 4)
+    with pytest.raises(ProtocolError, match="expected a status frame, got 'pong'"):
+        parse_status(pong_frame(ping_frame(1, 2)))
+    with pytest.raises(ProtocolError, match="expected a pong frame"):
+        parse_pong(status_frame())
+    with pytest.raises(ProtocolError, match="pong frame: id"):
+        parse_pong(Frame.make("pong", id="x" * 10, t_ns=1))

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 
 from p2pk3.transport.connection import open_connection
-from p2pk3.transport.messages import status_frame
+from p2pk3.transport.messages import parse_status, status_frame
 
 SERVING = ("entry", "stage")
 
@@ -50,7 +50,7 @@ async def probe(addr: tuple[str, int], secret: bytes, timeout: float = 1.0) -> P
         rtt = 1000 * (time.perf_counter() - t0)
         if f.kind != "status":
             return Probe(addr, None, error="unreachable", reason=f"answered status with {f.kind!r}")
-        return Probe(addr, dict(f.header), rtt_ms=round(rtt, 3))
+        return Probe(addr, parse_status(f), rtt_ms=round(rtt, 3))
     except (asyncio.TimeoutError, TimeoutError):
         return Probe(addr, None, error="unreachable", reason=f"no status answer within {timeout:g} s")
     except Exception as e:  # noqa: BLE001

@@ -26,8 +26,8 @@ import numpy as np
 from p2pk3.params import SamplingParams
 from p2pk3.transport.codec import ProtocolError
 from p2pk3.transport.connection import AuthenticationError, ConnectionClosed, TransportError, open_connection
-from p2pk3.transport.messages import (GenerateRequest, cancel_frame, parse_done, parse_error, parse_token,
-                                      status_frame)
+from p2pk3.transport.messages import (GenerateRequest, cancel_frame, parse_done, parse_error, parse_status,
+                                      parse_token, status_frame)
 
 LOST = (ConnectionClosed, TransportError, ConnectionError, OSError, asyncio.TimeoutError, ProtocolError)
 
@@ -111,7 +111,7 @@ class Client:
         while True:
             f = await self.conn.recv()
             if f.kind == "status":
-                return dict(f.header)
+                return parse_status(f)
             if f.kind not in ("token", "done", "error"):  # frames of an abandoned request are skipped
                 raise RequestError("bad_reply", f"expected a status frame, got {f.kind!r}")
 

@@ -24,7 +24,7 @@ from p2pk3.model.config import K3Config
 from p2pk3.params import SamplingParams
 from p2pk3.topology import Topology, even_split
 from p2pk3.transport.connection import open_connection
-from p2pk3.transport.messages import status_frame
+from p2pk3.transport.messages import parse_status, status_frame
 
 from .client import Client
 
@@ -63,7 +63,7 @@ async def probe(addr: tuple[str, int], secret: bytes, timeout: float = 1.0) -> d
         return None
     try:
         await asyncio.wait_for(conn.send(status_frame()), timeout)
-        return dict((await asyncio.wait_for(conn.recv(), timeout)).header)
+        return parse_status(await asyncio.wait_for(conn.recv(), timeout))
     except Exception:
         return None
     finally:

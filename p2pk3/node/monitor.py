@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from p2pk3.transport.connection import ConnectionClosed, open_connection
-from p2pk3.transport.messages import ping_frame
+from p2pk3.transport.codec import ProtocolError
+from p2pk3.transport.messages import parse_pong, ping_frame
 
 from .links import DIAL_ERRORS
 
@@ -117,10 +118,12 @@ class Monitor:
                     t0 = time.perf_counter()
                     await asyncio.wait_for(conn.send(ping_frame(self._ping_id, time.time_ns())), t)
                     f = await asyncio.wait_for(conn.recv(), t)
-                    if f.kind != "pong":
-                        raise ConnectionError(f"answered a ping with {f.kind!r}")
+                    try:
+                        info = parse_pong(f)
+                    except ProtocolError as e:
+                        raise ConnectionError(f"answered a ping with {f.kind!r}: {e}") from None
                     self._mark(slot, UP, "answering", address=addr, rtt_ms=1000 * (time.perf_counter() - t0),
-                               info=dict(f.header))
+                               info=info)
                     await asyncio.sleep(self.heartbeat_s)
                     if self.resolve(slot) != addr:  # the slot moved (takeover): watch the new holder
                         break

@@ -16,7 +16,7 @@ it. Where a well-formed request has invalid contents that the receiver answers r
 the connection for (`generate`, `file_get`), the parser raises ValueError for those.
 """
 from .client import (MAX_PROMPT, Done, ErrorReply, GenerateRequest, cancel_frame, done_frame, error_frame, parse_cancel,
-                     parse_done, parse_error, parse_token, status_frame, token_frame)
+                     parse_done, parse_error, parse_status, parse_token, status_frame, token_frame)
 from .control import (CLAIM_CODES, CLAIM_OPS, ClaimHolder, ClaimMessage, ClaimResult, Route, claim_frame,
                       claim_result_frame, parse_claim, parse_claim_result, parse_retain, parse_route, parse_takeover,
                       retain_frame, route_frame, takeover_frame)
@@ -25,16 +25,16 @@ from .files import (FILE_CHUNK, FileChunk, FileGet, FileIndex, FileInfo, file_ch
                     file_index_frame, file_list_frame, parse_file_chunk, parse_file_get, parse_file_index,
                     parse_file_list)
 from .ring import (Forward, Result, Segment, forward_frame, free_frame, parse_forward, parse_free, parse_result,
-                   ping_frame, pong_frame, result_frame)
+                   parse_pong, ping_frame, pong_frame, result_frame)
 
 __all__ = [
     "ErrorCode", "MAX_SESSION_ID", "MAX_PROMPT",
     # ring
     "Segment", "Forward", "Result", "forward_frame", "parse_forward", "result_frame", "parse_result", "free_frame",
-    "parse_free", "ping_frame", "pong_frame",
+    "parse_free", "ping_frame", "pong_frame", "parse_pong",
     # clients
     "GenerateRequest", "token_frame", "parse_token", "Done", "done_frame", "parse_done", "cancel_frame", "parse_cancel",
-    "status_frame", "ErrorReply", "error_frame", "parse_error",
+    "status_frame", "parse_status", "ErrorReply", "error_frame", "parse_error",
     # claims and failure handling
     "CLAIM_OPS", "CLAIM_CODES", "ClaimMessage", "ClaimHolder", "ClaimResult", "claim_frame", "parse_claim",
     "claim_result_frame", "parse_claim_result", "takeover_frame", "parse_takeover", "Route", "route_frame",

@@ -109,6 +109,12 @@ def status_frame(**fields: Any) -> Frame:
     return Frame.make("status", **fields)
 
 
+def parse_status(frame: Frame) -> dict[str, Any]:
+    """A status reply -> the node's public statistics (ProtocolError for another kind: a probe that gets a
+    token or an error frame instead says so)."""
+    return dict(expect(frame, "status"))
+
+
 def error_frame(code: str, message: str, **ctx: Any) -> Frame:
     """code: an ErrorCode (or auth_failed during the handshake); message: for humans; ctx: request_id,
     session, fatal (the sender closes the connection), ..."""

@@ -294,3 +294,12 @@ def _echo(v: Any) -> Any:
 
 def pong_frame(ping: Frame, **stats: Any) -> Frame:
     return Frame.make("pong", id=_echo(ping.header.get("id")), t_ns=_echo(ping.header.get("t_ns")), **stats)
+
+
+def parse_pong(frame: Frame) -> dict[str, Any]:
+    """A pong -> its fields (the echoed `id` and `t_ns`, and the node's heartbeat statistics: slot, role,
+    epoch, ...). ProtocolError for another kind, or an echoed id that is not the integer a ping sends."""
+    h = expect(frame, "pong")
+    if h.get("id") is not None and not is_int(h.get("id")):
+        raise ProtocolError(f"pong frame: id must be the ping's integer id, got {h.get('id')!r}")
+    return dict(h)
