@@ -7,6 +7,28 @@ from . import main
 from .common import DTYPES, MODEL_HELP, UserError, model_dir, run_async, topology_model_dir
 
 
+class _Schedule(click.ParamType):
+    """`auto` (None: one per active slot) or an integer >= 1 (--micro-batches, --prefill-depth)."""
+
+    name = "auto|N"
+
+    def convert(self, value, param, ctx):
+        if value is None or isinstance(value, int) or str(value).lower() == "auto":
+            return None if value is None or str(value).lower() == "auto" else value
+        if not str(value).isdigit() or int(value) < 1:
+            self.fail(f"expected auto or an integer >= 1, got {value!r}", param, ctx)
+        return int(value)
+
+
+SCHEDULE = _Schedule()
+
+
+def _schedule_args(micro_batches, prefill_depth) -> list[str]:
+    """The two schedule options as `p2pk3 node` arguments (for the daemons `p2pk3 local` starts)."""
+    return [a for flag, v in (("--micro-batches", micro_batches), ("--prefill-depth", prefill_depth))
+            if v is not None for a in (flag, str(v))]
+
+
 def _stop_on_signals(stop):
     import asyncio
     import signal
@@ -33,11 +55,15 @@ def _stop_on_signals(stop):
 @click.option("--dead-after", type=click.FloatRange(min=0.2), default=2.5, show_default=True,
               help="a peer that has not answered for this many seconds is dead")
 @click.option("--drop-beacons", is_flag=True, hidden=True, help="fault injection: received beacons are lost")
+@click.option("--micro-batches", type=SCHEDULE, default="auto", show_default=True,
+              help="decode micro-batches the entry keeps in flight (auto: one per active slot; 1: one batch)")
+@click.option("--prefill-depth", type=SCHEDULE, default="auto", show_default=True,
+              help="chunks of one prompt in flight at once (auto: one per active slot; 1: one at a time)")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
               help="serve Prometheus metrics on http://HOST:PORT/metrics (off by default)")
 @click.option("-v", "--verbose", count=True)
 def node(topology_path, slot, standby, host, port, dtype, device, max_sessions, cache_tokens, discovery,
-         advertise_host, heartbeat, dead_after, drop_beacons, verbose, metrics_port):
+         advertise_host, heartbeat, dead_after, drop_beacons, verbose, metrics_port, micro_batches, prefill_depth):
     """Run one node daemon of the ring."""
     import asyncio
     import logging
@@ -72,7 +98,7 @@ def node(topology_path, slot, standby, host, port, dtype, device, max_sessions, 
     opts = NodeOptions(host=host or topo.slot(slot).host or "0.0.0.0", port=port, dtype=dtype, device=device,
                        max_sessions=max_sessions, cache_tokens=cache_tokens, discovery=discovery,
                        advertise_host=advertise_host, heartbeat_s=heartbeat, dead_after_s=dead_after,
-                       drop_beacons=drop_beacons)
+                       drop_beacons=drop_beacons, micro_batches=micro_batches, prefill_depth=prefill_depth)
     d = NodeDaemon(topo, slot, model_dir=topology_model_dir(topo), secret=secret, options=opts)
 
     async def run_daemon():
@@ -119,7 +145,12 @@ def node(topology_path, slot, standby, host, port, dtype, device, max_sessions, 
               help="also serve the OpenAI-compatible API there (p2pk3 serve beside the ring)")
 @click.option("--api-key-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="with --api: the bearer key clients must send")
-def local(model, nodes, standby, state_file, dtype, prompt, open_chat, max_tokens, api_addr, api_key_file):
+@click.option("--micro-batches", type=SCHEDULE, default="auto", show_default=True,
+              help="decode micro-batches the entry keeps in flight (auto: one per node; 1: one batch)")
+@click.option("--prefill-depth", type=SCHEDULE, default="auto", show_default=True,
+              help="chunks of one prompt in flight at once (auto: one per node; 1: one at a time)")
+def local(model, nodes, standby, state_file, dtype, prompt, open_chat, max_tokens, api_addr, api_key_file,
+          micro_batches, prefill_depth):
     """Start N daemons (and S standbys) on loopback as one ring; Ctrl-C, SIGTERM or SIGHUP stops them.
 
     To watch the ring survive a failure, start it with a spare and a state file, then kill a node:
@@ -144,7 +175,7 @@ def local(model, nodes, standby, state_file, dtype, prompt, open_chat, max_token
     if nodes > L:
         raise click.BadParameter(f"{nodes} nodes but the model has only {L} layers (one node per layer at most)",
                                  param_hint="--nodes")
-    ring = LocalRing(mdir, nodes, dtype=dtype, standby=standby)
+    ring = LocalRing(mdir, nodes, dtype=dtype, standby=standby, extra_args=_schedule_args(micro_batches, prefill_depth))
     click.echo(f"starting {nodes} daemons{f' and {standby} standbys' if standby else ''} for {mdir} ...")
     stopping = []
 
