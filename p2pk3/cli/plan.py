@@ -114,11 +114,13 @@ def topology_check(path, model, formats, quiet):
 @click.option("--new-tokens", type=click.IntRange(min=1), default=None, help="generated tokens per stream")
 @click.option("--context", type=click.IntRange(min=0), default=None, help="context at decode (MLA cache read)")
 @click.option("--micro-batches", type=click.IntRange(min=1), default=None,
-              help="spread the streams over this many micro-batches (default: as the entry batches them: all queued)")
+              help="decode micro-batches in flight (default: as the daemon: one per stage; 1: one batch)")
+@click.option("--prefill-depth", type=click.IntRange(min=1), default=None,
+              help="chunks of one prompt in flight (default: as the daemon: one per stage; 1: one at a time)")
 @click.option("--plot", default=None, type=click.Path(dir_okay=False), help="PNG of throughput vs streams")
 @click.option("--json", "as_json", is_flag=True, help="print the figures as JSON")
 def simulate_cmd(topo_path, hw_path, model, streams, formats, accept, spec_k, tp, act, prompt, new_tokens, context,
-                 micro_batches, plot, as_json):
+                 micro_batches, prefill_depth, plot, as_json):
     """Discrete-event model of the ring: tokens/s per stream and in aggregate, TTFT, per-stage time."""
     from p2pk3.plan import parse_formats
     from p2pk3.sim import load_profile, report, simulate_sweep
@@ -138,7 +140,7 @@ def simulate_cmd(topo_path, hw_path, model, streams, formats, accept, spec_k, tp
         raise click.BadParameter("give at least one stream count >= 1", param_hint="--streams")
     results = simulate_sweep(cfg, topo, hw, ns, formats=parse_formats(formats), accept=accept, spec_k=spec_k, tp=tp,
                              act=act, prompt=prompt, new_tokens=new_tokens, context=context,
-                             micro_batches=micro_batches)
+                             micro_batches=micro_batches, prefill_depth=prefill_depth)
     if plot:
         report.plot(results, plot, title=f"{Path(topo_path).name}: {hw.name[:60]}")
     if as_json:
