@@ -242,3 +242,6 @@ def test_default_schedule_is_the_daemons_micro_batches_and_pipelined_prefill(tmp
     # what the CLI prints says which schedule it modelled
     r = simulate_sweep(TINY_K3, topo, hw, [2])[0]
     assert r.meta["micro_batches"] == 4 and r.meta["prefill_depth"] == 4
+    from p2pk3.node.entry import PREFILL_SHARE
+    from p2pk3.sim.events import PREFILL_SHARE as SIM_SHARE
+    assert SIM_SHARE == PREFILL_SHARE  # the simulator cuts prefill units as the entry does

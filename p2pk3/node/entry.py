@@ -14,9 +14,9 @@ scheduler"):
   to `prefill_depth` chunks (D) of one session in flight, the chunks of several sessions packed into
   units of at most `max_batch_tokens` (one chunk per session and unit: a stage runs one session's chunks
   in position order, one after the other). While sessions decode, a prefill unit is cut to cost no more
-  than a decode unit on the entry's own stage (`stage_cost`, measured), and every stage runs decode
-  units first with at most one prefill unit between two decode batches (worker.py), so a long prompt
-  never slows the others' tokens by more than a factor of two.
+  than PREFILL_SHARE of a decode unit on the entry's own stage (`stage_cost`, measured), and every stage
+  runs decode units first with at most one prefill unit between two decode batches (worker.py), so a
+  long prompt never slows the others' tokens by more than a factor of two, and is never starved.
 
 The whole token history stays here, which is what makes failures survivable: `replay_all()` gives every
 live session a new epoch and restarts it from position 0, so its history (prompt + tokens generated so
@@ -50,6 +50,11 @@ from p2pk3.spec.proposers import NgramProposer, SuffixIndex, SuffixProposer
 from p2pk3.transport.messages import ErrorCode, Result, Segment
 
 from .stage_runner import Work
+
+
+# while sessions decode, a prefill unit costs at most this share of a decode unit: a stage runs at most one
+# prefill unit between two decode batches, so the others' inter-token time grows by at most 1 + this
+PREFILL_SHARE = 0.7
 
 
 class Busy(RuntimeError):
@@ -290,7 +295,7 @@ class Entry:
     def _send_prefills(self, now: float, decode_width: int) -> None:
         """Chunks of the sessions still prefilling, up to `prefill_depth` per session in flight, packed
         into units (one chunk per session and unit). While sessions decode a unit is cut to the width
-        whose measured cost is that of the widest decode unit (never below that width)."""
+        whose measured cost is PREFILL_SHARE of the widest decode unit's."""
         budget_cap = self.max_batch_tokens
         if decode_width:
             budget_cap = min(budget_cap, self._prefill_budget(decode_width))
@@ -319,13 +324,14 @@ class Entry:
             self._submit_work(Work(segs, tokens=torch.tensor(ids, dtype=torch.long)))
 
     def _prefill_budget(self, decode_width: int) -> int:
-        """Tokens of a prefill unit that cost (on the entry's stage, as measured) no more than a decode
-        unit of `decode_width` tokens: the largest such width, at least decode_width."""
+        """Tokens of a prefill unit that cost (on the entry's stage, as measured) at most PREFILL_SHARE of
+        a decode unit of `decode_width` tokens: the largest such width, at least 1."""
         cost = self.stage_cost
         ref = cost.estimate(decode_width) if cost is not None else None
         if ref is None:
             return self.max_batch_tokens
-        lo, hi = decode_width, self.max_batch_tokens
+        ref *= PREFILL_SHARE
+        lo, hi = 1, self.max_batch_tokens
         if (cost.estimate(hi) or 0.0) <= ref:
             return hi
         while hi - lo > 1:  # the estimate grows with the width

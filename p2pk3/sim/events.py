@@ -3,9 +3,9 @@
 Streams start together. The entry (stage 0) keeps `micro_batches` decode groups (M; 0: one per stage, the
 daemon's default), balanced by tokens, each leaving as one unit as soon as its own previous pass is back,
 and up to `prefill_depth` chunks (D; 0: one per stage) of each prompt in flight, packed one chunk per
-stream into units of at most `max_batch_tokens`; while streams decode, a prefill unit is cut to the cost of
-the widest decode unit on stage 0. A free stage takes decode units before prefill units, with at most one
-prefill unit between two decode batches; stage 0 runs the entry's units as they are, every other stage
+stream into units of at most `max_batch_tokens`; while streams decode, a prefill unit is cut to
+PREFILL_SHARE of the cost of the widest decode unit on stage 0. A free stage takes decode units before
+prefill units, with at most one prefill unit between two decode batches; stage 0 runs the entry's units as they are, every other stage
 batches what is queued of one kind (up to `max_batch_tokens`, never two units of one stream), runs it for
 `CostModel.pass_s`, and sends it on after the hop; the last stage returns results to the entry. M = D = 1
 is the schedule before micro-batches (one decode batch, one chunk of a prompt in flight). With speculation
@@ -21,6 +21,8 @@ import math
 from dataclasses import dataclass, field
 
 from .model import CostModel, Unit
+
+PREFILL_SHARE = 0.7  # as p2pk3/node/entry.py: a prefill unit costs at most this share of a decode unit
 
 
 @dataclass
@@ -114,14 +116,14 @@ def run(cost: CostModel, w: Workload, cores: int = 0, background: float = 0.0, s
     caps: dict[int, int] = {}
 
     def prefill_cap(width: int) -> int:
-        """Tokens of a prefill unit costing (on stage 0) no more than a decode unit of `width` streams."""
+        """Tokens of a prefill unit costing (on stage 0) at most PREFILL_SHARE of a decode unit of `width` streams."""
         if width not in caps:
             caps[width] = _cap(width)
         return caps[width]
 
     def _cap(width: int) -> int:
-        ref = cost.pass_s(0, [Unit(0, w.width, ctx(0), False)] * width)
-        lo, hi = width * w.width, w.max_batch_tokens
+        ref = PREFILL_SHARE * cost.pass_s(0, [Unit(0, w.width, ctx(0), False)] * width)
+        lo, hi = 1, w.max_batch_tokens
         if cost.pass_s(0, [Unit(0, hi, hi, True)]) <= ref:
             return hi
         while hi - lo > 1:
