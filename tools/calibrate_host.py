@@ -265,11 +265,12 @@ def main() -> None:
     for n in [int(x) for x in a.nodes.split(",")]:
         meas = measure_ring(model, n, streams, a.new_tokens, 16, a.long_prompt)
         topo = even_split(cfg, n)
+        mb = max(1, min(n, os.cpu_count() or 1))  # as LocalRing schedules its daemons (they share this host)
         if a.long_prompt:  # one long prompt: pipelined prefill (the daemons' default depth, one per stage)
             m = meas["long"]
             bg = background_from_share(share(m["probe"]))
             p = simulate_sweep(cfg, topo, hw.with_overrides(**{"cpu.background": bg}), [1], prompt=a.long_prompt,
-                               new_tokens=2, context=0)[0]
+                               new_tokens=2, context=0, micro_batches=mb)[0]
             rows.append({"nodes": n, "streams": f"TTFT {a.long_prompt}", "measured_ttft_s": m["ttft_s"],
                          "predicted_ttft_s": p.ttft_s, "load": m["load"], "background": bg})
             print(f"{n} node(s) TTFT of a {a.long_prompt}-token prompt: {m['ttft_s']:.2f} s measured vs "
@@ -278,7 +279,7 @@ def main() -> None:
             m = meas[s]
             m["background"] = background_from_share(share(m["probe"]))
             hw_now = hw.with_overrides(**{"cpu.background": m["background"]})
-            p = simulate_sweep(cfg, topo, hw_now, [s], prompt=16, new_tokens=a.new_tokens, context=0)[0]
+            p = simulate_sweep(cfg, topo, hw_now, [s], prompt=16, new_tokens=a.new_tokens, context=0, micro_batches=mb)[0]
             rows.append({"nodes": n, "streams": s, "measured_per_stream": m["per_stream_tps"],
                          "predicted_per_stream": p.per_stream_tps, "measured_aggregate": m["aggregate_tps"],
                          "predicted_aggregate": p.aggregate_tps, "load": m["load"], "background": m["background"]})

@@ -146,7 +146,8 @@ def node(topology_path, slot, standby, host, port, dtype, device, max_sessions, 
 @click.option("--api-key-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="with --api: the bearer key clients must send")
 @click.option("--micro-batches", type=SCHEDULE, default="auto", show_default=True,
-              help="decode micro-batches the entry keeps in flight (auto: one per node; 1: one batch)")
+              help="decode micro-batches the entry keeps in flight (auto: one per node, at most this host's "
+                   "cores; 1: one batch)")
 @click.option("--prefill-depth", type=SCHEDULE, default="auto", show_default=True,
               help="chunks of one prompt in flight at once (auto: one per node; 1: one at a time)")
 def local(model, nodes, standby, state_file, dtype, prompt, open_chat, max_tokens, api_addr, api_key_file,
