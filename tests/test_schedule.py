@@ -224,3 +224,39 @@ def test_tokens_equal_one_process_under_every_schedule(ckpt, reference, n, m, d)
     assert outs == want
     assert sched["micro_batches"] == m and sched["prefill_depth"] == d
     assert left == [0] * len(left)
+
+
+def test_cancel_mid_prefill_with_chunks_in_flight_frees_every_stage(ckpt, reference):
+    """A client that goes away while several chunks of its prompt are in the ring: the frees travel behind
+    them, every stage ends up empty, and the ring serves the next request with the right tokens."""
+    long_prompt = [3 + (i * 11) % 500 for i in range(400)]
+    want = reference.generate([long_prompt[:30]], SamplingParams(max_tokens=6))[0]
+
+    async def go():
+        async with Ring(topo_even(ckpt, 3), ckpt, prefill_chunk=8, prefill_depth=3) as ring:
+            c = await ring.client()
+            task = asyncio.create_task(c.generate(long_prompt, SamplingParams(max_tokens=4)))
+            e = ring.entry.entry
+            for _ in range(200):
+                if any(s.inflight >= 2 for s in e.live()):
+                    break
+                await asyncio.sleep(0.01)
+            in_flight = max((s.inflight for s in e.live()), default=0)
+            c.close()
+            try:
+                await task
+            except Exception:  # noqa: BLE001 - the connection was closed on purpose
+                pass
+            for _ in range(50):
+                if not e.live() and all(not d.runner.cache.sessions for d in ring.daemons):
+                    break
+                await asyncio.sleep(0.1)
+            left = [len(d.runner.cache.sessions) for d in ring.daemons]
+            c2 = await ring.client()
+            r = await c2.generate(long_prompt[:30], SamplingParams(max_tokens=6))
+            c2.close()
+            return in_flight, left, r.tokens
+
+    in_flight, left, tokens = run(go())
+    assert in_flight >= 2  # several chunks of the prompt were in the ring when it was cancelled
+    assert left == [0, 0, 0] and tokens == want
