@@ -138,7 +138,7 @@ class Entry:
             raise ValueError(f"micro_batches ({micro_batches}) and prefill_depth ({prefill_depth}) must be >= 1")
         self.micro_batches, self.prefill_depth = micro_batches, prefill_depth
         # compute ms of the entry's own stage by batch width (the worker feeds it): what a prefill unit may
-        # cost while sessions decode. None: prefill units are never cut below prefill_chunk
+        # cost while sessions decode. None: prefill units are not cut
         self.stage_cost = stage_cost
         self.units_sent = {"decode": 0, "prefill": 0}
         self.sessions: dict[str, Session] = {}
