@@ -88,14 +88,14 @@ def test_prefill_chunks_enter_back_to_back_up_to_the_depth_in_position_order():
 def test_prefill_units_are_cut_to_the_cost_of_a_decode_unit_while_sessions_decode():
     cost = PassCost()
     for width in (1, 2, 4, 8, 16, 64, 256):
-        cost.observe(width, 1.0 + width)  # ms on the entry's stage
+        cost.observe(width, 2.0 * width)  # ms on the entry's stage
     e, sent = _entry(prefill_chunk=256, max_batch_tokens=512, micro_batches=2, stage_cost=cost)
     for _ in range(8):
         e.submit([1, 2], SamplingParams(max_tokens=100))
     _answer(e, *sent)
     sent.clear()
     e.submit(list(range(1, 1000)), SamplingParams(max_tokens=1))
-    # decode units of 4 cost 5 ms: a prefill unit may cost 0.7 x 5 = 3.5 ms, 2 tokens
+    # decode units of 4 cost 8 ms: a prefill unit may cost 0.5 x 8 = 4 ms, 2 tokens
     assert [w.n_tokens for w in sent] == [2]
     alone, sent3 = _entry(prefill_chunk=256, max_batch_tokens=512, stage_cost=cost)
     alone.submit(list(range(1, 1000)), SamplingParams(max_tokens=1))

@@ -54,7 +54,7 @@ from .stage_runner import Work
 
 # while sessions decode, a prefill unit costs at most this share of a decode unit: a stage runs at most one
 # prefill unit between two decode batches, so the others' inter-token time grows by at most 1 + this
-PREFILL_SHARE = 0.7
+PREFILL_SHARE = 0.5
 
 
 class Busy(RuntimeError):

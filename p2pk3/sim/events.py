@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from .model import CostModel, Unit
 
-PREFILL_SHARE = 0.7  # as p2pk3/node/entry.py: a prefill unit costs at most this share of a decode unit
+PREFILL_SHARE = 0.5  # as p2pk3/node/entry.py: a prefill unit costs at most this share of a decode unit
 
 
 @dataclass
