@@ -59,6 +59,7 @@ def test_rates_come_from_the_work_between_two_polls(ring):
     snap = asyncio.run(go())
     for r in snap["slots"]:
         assert r["tokens_per_s"] > 0 and r["batches_per_s"] > 0 and r["compute_ms"] > 0, r
+        assert 0 < r["busy"] <= 1, r  # compute time / wall time over the last 5 s
     assert snap["totals"]["tokens_per_s"] == max(r["tokens_per_s"] for r in snap["slots"])
     assert snap["totals"]["finished"] >= 1
 

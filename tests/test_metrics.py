@@ -52,6 +52,7 @@ def test_counters_move_with_a_request(ring):
     assert after["p2pk3_batches_total"] >= len(reply.tokens)
     assert after["p2pk3_batch_seconds_count"] == after["p2pk3_batches_total"]
     assert after["p2pk3_batch_seconds_sum"] > 0 and after["p2pk3_busy_seconds_total"] > 0
+    assert 0 < after["p2pk3_busy_fraction"] <= 1  # computed within the last 5 s
     assert after["p2pk3_requests_finished_total"] == before["p2pk3_requests_finished_total"] + 1
     assert after["p2pk3_sessions"] == 0 and after["p2pk3_queue_depth"] == 0
 

@@ -135,16 +135,19 @@ def test_continuous_batching_and_processor_sharing(tmp_path):
     hw = flat_profile(tmp_path)
     topo = even_split(TINY_K3, 2)
     cost = CostModel(TINY_K3, build_stages(TINY_K3, topo, hw), hw)
-    w = Workload(16, prompt=4, new_tokens=20, context=100, prefill_chunk=64)
+    w = Workload(16, prompt=4, new_tokens=20, context=100, prefill_chunk=64, micro_batches=1, prefill_depth=1)
     r = run(cost, w)
     assert r.stages[0]["mean_batch_tokens"] > 8  # the 16 streams ride together
-    assert r.aggregate_tps > 8 * simulate_sweep(TINY_K3, topo, hw, [1], prompt=4, new_tokens=20, context=100)[0].aggregate_tps
+    one_stream = simulate_sweep(TINY_K3, topo, hw, [1], prompt=4, new_tokens=20, context=100, micro_batches=1)[0]
+    assert r.aggregate_tps > 8 * one_stream.aggregate_tps
     # one micro-batch visits one stage at a time: two stages on one core lose nothing ...
     assert run(cost, w, cores=1).aggregate_tps == pytest.approx(r.aggregate_tps)
-    # ... two micro-batches keep both stages busy, and on one core each runs at half speed
-    w2 = Workload(16, prompt=4, new_tokens=20, context=100, prefill_chunk=64, max_batch_streams=8)
+    # ... two micro-batches (the default on two stages) keep both stages busy, and on one core each runs at
+    # half speed
+    w2 = Workload(16, prompt=4, new_tokens=20, context=100, prefill_chunk=64)
     free, shared = run(cost, w2), run(cost, w2, cores=1)
     assert shared.aggregate_tps < 0.8 * free.aggregate_tps
+    assert min(s["busy"] for s in free.stages) > 1.5 * min(s["busy"] for s in r.stages)
     # on one stage running back to back, others' load slows a stream by cores / (1 + background) ...
     one = CostModel(TINY_K3, build_stages(TINY_K3, even_split(TINY_K3, 1), hw), hw)
     a = run(one, Workload(1, 4, 20, 100), cores=2)
@@ -218,3 +221,29 @@ layer_ms = {{ {lm} }}
     r = simulate_sweep(TINY_K3, even_split(TINY_K3, 2), hw, [1], prompt=4, new_tokens=10, context=0)[0]
     one = sum(1.0 + l for l in range(6)) + 2 * 3.0 + 2 * (50e-3 + 0)  # ms: layers + 2 overheads + 2 hops
     assert 1e3 / r.per_stream_tps == pytest.approx(one, rel=1e-3)
+
+
+def test_default_schedule_is_the_daemons_micro_batches_and_pipelined_prefill(tmp_path):
+    """M = D = one per stage: decode groups leave on their own and a prompt's chunks enter back to back, so
+    4 stages give ~4 micro-batches' throughput and the TTFT of a long prompt is ~(chunks + stages) stage
+    passes, not chunks x stages; M = D = 1 is the lockstep schedule before."""
+    # compute-bound cards: a pass costs in proportion to its tokens, so batching is not free and only
+    # micro-batches keep the four stages busy
+    hw = flat_profile(tmp_path).with_overrides(**{"gpus.x.tflops.bf16": 1e-3})
+    topo = even_split(TINY_K3, 4)
+    cost = CostModel(TINY_K3, build_stages(TINY_K3, topo, hw), hw)
+    dec = dict(prompt=4, new_tokens=30, context=100, prefill_chunk=64)
+    new = run(cost, Workload(16, **dec))
+    old = run(cost, Workload(16, **dec, micro_batches=1, prefill_depth=1))
+    assert new.aggregate_tps > 2.5 * old.aggregate_tps
+    assert all(s["busy"] > 2 * o["busy"] for s, o in zip(new.stages, old.stages))
+    longp = dict(prompt=16 * 64, new_tokens=2, context=0, prefill_chunk=64)
+    t_new = run(cost, Workload(1, **longp)).ttft_s
+    t_old = run(cost, Workload(1, **longp, micro_batches=1, prefill_depth=1)).ttft_s
+    assert t_new < 0.5 * t_old
+    # what the CLI prints says which schedule it modelled
+    r = simulate_sweep(TINY_K3, topo, hw, [2])[0]
+    assert r.meta["micro_batches"] == 4 and r.meta["prefill_depth"] == 4
+    from p2pk3.node.entry import PREFILL_SHARE
+    from p2pk3.sim.events import PREFILL_SHARE as SIM_SHARE
+    assert SIM_SHARE == PREFILL_SHARE  # the simulator cuts prefill units as the entry does

@@ -6,6 +6,16 @@
 3. tiny-K3 decode tokens/s: a 4-node loopback ring (4 daemon processes) vs one process, 1 and 16 sessions
 
     python tools/bench_ring.py [--model DIR] [--json OUT]
+
+`--scaling` instead measures what a stage more buys (issue 21): 1-node vs 2-node vs 4-node loopback rings
+of the same model (`p2pk3 node` processes, one intra-op thread each, the daemons' default schedule), the
+same client: TTFT of a 1,536-token prompt, prompt tokens/s of 8 concurrent 1,024-token prompts, aggregate
+decode of 16 sessions x 48 tokens with each stage's busy fraction (its own `busy_s` / wall time) and the
+ceiling batching allows on this model (one process: a decode step of 16 / a step of 8), the p99 inter-token
+gap of 8 decoding sessions with and without a 4,096-token prompt prefilling beside them, and whether every
+ring gave the same tokens.
+
+    python tools/bench_ring.py --scaling [--nodes 1,2,4] [--model DIR] [--json OUT]
 """
 from __future__ import annotations
 
@@ -183,6 +193,169 @@ def _decode_tps(model_dir: str, sessions: int, new_tokens: int, nodes: int) -> f
         return asyncio.run(go())
 
 
+# ------------------------------------------------------------------------------------------- scaling
+def _stage_busy(ring) -> dict[str, float]:
+    from p2pk3.node.local import probe
+
+    async def go():
+        return await asyncio.gather(*(probe(ring.address(s.id), ring.secret) for s in ring.topo.active))
+    return {st["slot"]: float(st["busy_s"]) for st in asyncio.run(go()) if st}
+
+
+async def _timed(ring, prompts, params, on_token=None):
+    """Generate every prompt on its own connection at once; per request the token times."""
+    cs = [await ring.client() for _ in prompts]
+    stamps = [[] for _ in prompts]
+    try:
+        async def one(i):
+            def on(tok):
+                stamps[i].append(time.perf_counter())
+                if on_token:
+                    on_token(i)
+            return await cs[i].generate(prompts[i], params, on_token=on)
+        t0 = time.perf_counter()
+        replies = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+        return t0, time.perf_counter(), replies, stamps
+    finally:
+        for c in cs:
+            c.close()
+
+
+def _p99(gaps: list[float]) -> float:
+    return float(np.percentile(np.array(gaps), 99)) if gaps else float("nan")
+
+
+async def _itl_with_prefill(ring, prompts, long_prompt, new_tokens: int) -> tuple[float, float, int]:
+    """p99 inter-token gap (s) of the decoding sessions while `long_prompt` prefills beside them, the same
+    without it, and how many of their gaps fell inside the prefill (which is cancelled once they are done)."""
+    from p2pk3.params import SamplingParams
+    params = SamplingParams(max_tokens=new_tokens)
+    _, _, _, alone = await _timed(ring, prompts, params)
+    base = [b - a for s in alone for a, b in zip(s[2:], s[3:])]  # steady decode (past the first tokens)
+    cs = [await ring.client() for _ in prompts]
+    lc = await ring.client()
+    stamps = [[] for _ in prompts]
+    started = asyncio.Event()
+    try:
+        def on(i):
+            def f(tok):
+                stamps[i].append(time.perf_counter())
+                if all(len(s) >= 3 for s in stamps):
+                    started.set()
+            return f
+        tasks = [asyncio.create_task(c.generate(p, params, on_token=on(i))) for i, (c, p) in enumerate(zip(cs, prompts))]
+        await started.wait()
+        t_long = time.perf_counter()
+        longt = asyncio.create_task(lc.generate(long_prompt, SamplingParams(max_tokens=1)))
+        await asyncio.gather(*tasks)
+        lc.close()  # cancels the prefill mid-way (and exercises cancel + free mid-prefill)
+        try:
+            await longt
+        except Exception:  # noqa: BLE001 - the connection was closed on purpose
+            pass
+    finally:
+        for c in cs:
+            c.close()
+    during = [b - a for s in stamps for a, b in zip(s, s[1:]) if a >= t_long]
+    return _p99(during), _p99(base), len(during)
+
+
+def _ceiling(model_dir: str) -> tuple[float, float]:
+    """One process, one thread: ms of a decode step of 8 and of 16 sessions (what two micro-batches of 8 on
+    two stages can gain over one batch of 16 is their ratio)."""
+    import statistics
+
+    import torch
+
+    from p2pk3.engine.reference import Pipeline
+    from p2pk3.model.cache import Span
+    torch.set_num_threads(1)
+    pipe = Pipeline.load(model_dir, 1, max_sessions=32, max_tokens=32 * 128, block_size=16)
+    out = []
+    with torch.inference_mode():
+        for b in (8, 16):
+            ids = [f"c{b}-{i}" for i in range(b)]
+            for sid in ids:
+                pipe.open(sid)
+            pipe.forward([Span(sid, 0, 16) for sid in ids], torch.randint(3, 200, (16 * b,)))
+            ts = []
+            for r in range(12):
+                t = time.perf_counter()
+                pipe.forward([Span(sid, 16 + r, 1) for sid in ids], torch.randint(3, 200, (b,)))
+                ts.append(time.perf_counter() - t)
+            out.append(1e3 * statistics.median(ts[2:]))
+            for sid in ids:
+                pipe.close(sid)
+    return out[0], out[1]
+
+
+def scaling(model_dir: str, nodes: list[int], decode_tokens: int = 48) -> dict:
+    from p2pk3.node.local import LocalRing
+    from p2pk3.params import SamplingParams
+    rng = np.random.default_rng(21)
+
+    def prompt(n):
+        return [int(t) for t in rng.integers(3, 2000, n)]
+    ttft_prompt = prompt(1536)
+    prefill_prompts = [prompt(1024) for _ in range(8)]
+    decode_prompts = [prompt(16) for _ in range(16)]
+    long_prompt = prompt(4096)
+    res: dict = {"load_before": os.getloadavg()}
+    t8, t16 = _ceiling(model_dir)
+    res["ceiling"] = {"step8_ms": t8, "step16_ms": t16, "ratio": t16 / t8}
+    print(f"   one process, 1 thread: decode step of 8 sessions {t8:.1f} ms, of 16 {t16:.1f} ms "
+          f"-> two micro-batches of 8 on two stages gain at most {t16 / t8:.2f}x")
+    for n in nodes:
+        r: dict = {}
+        with LocalRing(model_dir, n) as ring:
+            async def warm():
+                c = await ring.client()
+                await c.generate(prompt(300), SamplingParams(max_tokens=4))
+                c.close()
+            asyncio.run(warm())
+            t0, t1, (rep,), _ = asyncio.run(_timed(ring, [ttft_prompt], SamplingParams(max_tokens=1)))
+            r["ttft_s"] = rep.stats.get("ttft_s") or (t1 - t0)
+            t0, t1, _, _ = asyncio.run(_timed(ring, prefill_prompts, SamplingParams(max_tokens=1)))
+            r["prompt_tps"] = sum(len(p) for p in prefill_prompts) / (t1 - t0)
+            b0, w0 = _stage_busy(ring), time.perf_counter()
+            t0, t1, replies, stamps = asyncio.run(_timed(ring, decode_prompts, SamplingParams(max_tokens=decode_tokens)))
+            b1, w1 = _stage_busy(ring), time.perf_counter()
+            r["decode_tps"] = sum(len(x.tokens) for x in replies) / (t1 - t0)
+            r["busy"] = {k: (b1[k] - b0.get(k, 0.0)) / (w1 - w0) for k in b1}
+            r["tokens"] = [x.tokens for x in replies]
+            during, alone, k = asyncio.run(_itl_with_prefill(ring, decode_prompts[:8], long_prompt, decode_tokens))
+            r["itl_p99_ms"] = {"with_prefill": 1e3 * during, "without": 1e3 * alone, "gaps_during": k}
+            r["load"] = os.getloadavg()
+        res[n] = r
+        busy = ", ".join(f"{k} {100 * v:.0f}%" for k, v in r["busy"].items())
+        print(f"   {n} node(s): TTFT {r['ttft_s']:.2f} s; prompt {r['prompt_tps']:.0f} tok/s; decode {r['decode_tps']:.1f} tok/s "
+              f"(busy {busy}); p99 gap {r['itl_p99_ms']['with_prefill']:.0f} ms with a 4,096-token prefill vs "
+              f"{r['itl_p99_ms']['without']:.0f} ms without ({k} gaps); load {r['load'][0]:.2f}")
+    base = res[nodes[0]]
+    for n in nodes[1:]:
+        r = res[n]
+        r["ratios"] = {"ttft": r["ttft_s"] / base["ttft_s"], "prompt_tps": r["prompt_tps"] / base["prompt_tps"],
+                       "decode_tps": r["decode_tps"] / base["decode_tps"],
+                       "itl_with_vs_without": r["itl_p99_ms"]["with_prefill"] / r["itl_p99_ms"]["without"]}
+        q = r["ratios"]
+        print(f"   {n}-node / {nodes[0]}-node: TTFT {q['ttft']:.2f}x (target <= 0.65x at 2 nodes); prompt tokens/s "
+              f"{q['prompt_tps']:.2f}x (target >= 1.6x, ceiling 2x on 2 cores); decode {q['decode_tps']:.2f}x "
+              f"(target >= 1.15x; ceiling {res['ceiling']['ratio']:.2f}x); busy {', '.join(f'{100 * v:.0f}%' for v in r['busy'].values())} "
+              f"(target >= 80%); p99 gap with prefill {q['itl_with_vs_without']:.2f}x of without (target <= 2x)")
+    same = all(res[n]["tokens"] == base["tokens"] for n in nodes)
+    res["tokens_identical"] = same
+    print(f"   tokens of the 16 decoding sessions identical on every ring: {'yes' if same else 'NO'}")
+    for n in nodes:
+        del res[n]["tokens"]
+    res["load_after"] = os.getloadavg()
+    return res
+
+
+def _default_model() -> str:
+    from p2pk3.engine.reference import default_model_dir
+    return str(default_model_dir())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="model dir (default: the embedded tiny K3, else a random tiny-k3)")
@@ -190,8 +363,18 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--scaling", action="store_true", help="1 vs 2 vs 4-node rings (issue 21's figures) instead")
+    ap.add_argument("--nodes", default="1,2,4", help="with --scaling: ring sizes, the first is the baseline")
     a = ap.parse_args()
-    out: dict = {"host": f"{os.cpu_count()} cpus", "date": time.strftime("%Y-%m-%d")}
+    out: dict = {"host": f"{os.cpu_count()} cpus", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    if a.scaling:
+        model = a.model or _default_model()
+        print(f"scaling: {model}; {out['date']}; load average {os.getloadavg()}")
+        out["scaling"] = scaling(model, [int(x) for x in a.nodes.split(",")], a.new_tokens if a.new_tokens != 24 else 48)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(out, f, indent=2, default=str)
+        return
 
     print("1. per-hop latency (round trip, median): p2pk3 frame echo vs bare uvloop echo of the same bytes")
     for label, nbytes in (("tiny-K3 decode hop (1 token, 3 rows x 64 fp32)", 768), ("K3 decode hop (129,024 B)", 129024)):

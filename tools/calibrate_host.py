@@ -8,6 +8,10 @@ batch size (one stage per layer in one process, decode steps timed stage by stag
 tiny K3, and the fixed per-pass overhead of a daemon: a 1-node loopback ring of the random tiny K3 (NOT the
 embedded model) with one stream, minus its measured compute. The load average of the host is recorded.
 
+With --compare the rings run the daemons' default schedule (one decode micro-batch and one prompt chunk per
+stage in flight) and the simulator models the same; besides decode at each stream count it times the first
+token of one --long-prompt (1,536 tokens by default: pipelined prefill).
+
     python tools/calibrate_host.py [--out hardware/this-host.toml] [--compare [--json OUT] [--markdown OUT]]
 """
 from __future__ import annotations
@@ -134,7 +138,20 @@ async def _ring_run(ring, prompts, new_tokens: int) -> dict:
             "ttft_s": statistics.mean(s[0] - t0 for s in stamps), "tokens": [len(s) for s in stamps]}
 
 
-def measure_ring(model_dir: str, nodes: int, streams: list[int], new_tokens: int, prompt_len: int) -> dict:
+async def _ttft(ring, prompt) -> float:
+    from p2pk3.params import SamplingParams
+    c = await ring.client()
+    try:
+        t0 = time.perf_counter()
+        r = await c.generate(prompt, SamplingParams(max_tokens=1))
+        return r.stats.get("ttft_s") or time.perf_counter() - t0
+    finally:
+        c.close()
+
+
+def measure_ring(model_dir: str, nodes: int, streams: list[int], new_tokens: int, prompt_len: int,
+                 long_prompt: int = 0) -> dict:
+    """Decode of each stream count; with long_prompt, also the TTFT of one prompt that long (key "long")."""
     import numpy as np
 
     from p2pk3.node.local import LocalRing
@@ -146,6 +163,10 @@ def measure_ring(model_dir: str, nodes: int, streams: list[int], new_tokens: int
             before = probe()
             r = asyncio.run(_ring_run(ring, prompts, new_tokens))
             out[n] = {**r, "load": os.getloadavg()[0], "probe": (before + probe()) / 2}
+        if long_prompt:
+            before = probe()
+            t = asyncio.run(_ttft(ring, [int(x) for x in rng.integers(3, 200, long_prompt)]))
+            out["long"] = {"ttft_s": t, "load": os.getloadavg()[0], "probe": (before + probe()) / 2}
     return out
 
 
@@ -202,6 +223,7 @@ def main() -> None:
     ap.add_argument("--nodes", default="1,2,4")
     ap.add_argument("--streams", default="1,16")
     ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--long-prompt", type=int, default=1536, help="with --compare: TTFT of one prompt this long (0: skip)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", default=None)
     a = ap.parse_args()
@@ -241,13 +263,23 @@ def main() -> None:
     streams = [int(x) for x in a.streams.split(",")]
     rows = []
     for n in [int(x) for x in a.nodes.split(",")]:
-        meas = measure_ring(model, n, streams, a.new_tokens, 16)
+        meas = measure_ring(model, n, streams, a.new_tokens, 16, a.long_prompt)
         topo = even_split(cfg, n)
+        mb = max(1, min(n, os.cpu_count() or 1))  # as LocalRing schedules its daemons (they share this host)
+        if a.long_prompt:  # one long prompt: pipelined prefill (the daemons' default depth, one per stage)
+            m = meas["long"]
+            bg = background_from_share(share(m["probe"]))
+            p = simulate_sweep(cfg, topo, hw.with_overrides(**{"cpu.background": bg}), [1], prompt=a.long_prompt,
+                               new_tokens=2, context=0, micro_batches=mb)[0]
+            rows.append({"nodes": n, "streams": f"TTFT {a.long_prompt}", "measured_ttft_s": m["ttft_s"],
+                         "predicted_ttft_s": p.ttft_s, "load": m["load"], "background": bg})
+            print(f"{n} node(s) TTFT of a {a.long_prompt}-token prompt: {m['ttft_s']:.2f} s measured vs "
+                  f"{p.ttft_s:.2f} s predicted ({p.ttft_s / m['ttft_s'] - 1:+.0%}); load {m['load']:.2f}")
         for s in streams:
             m = meas[s]
             m["background"] = background_from_share(share(m["probe"]))
             hw_now = hw.with_overrides(**{"cpu.background": m["background"]})
-            p = simulate_sweep(cfg, topo, hw_now, [s], prompt=16, new_tokens=a.new_tokens, context=0)[0]
+            p = simulate_sweep(cfg, topo, hw_now, [s], prompt=16, new_tokens=a.new_tokens, context=0, micro_batches=mb)[0]
             rows.append({"nodes": n, "streams": s, "measured_per_stream": m["per_stream_tps"],
                          "predicted_per_stream": p.per_stream_tps, "measured_aggregate": m["aggregate_tps"],
                          "predicted_aggregate": p.aggregate_tps, "load": m["load"], "background": m["background"]})
@@ -262,6 +294,11 @@ def main() -> None:
         lines = ["| nodes | streams | per-stream measured | predicted | error | aggregate measured | predicted | error | load avg | others runnable (probe) |",
                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
+            if "measured_ttft_s" in r:
+                e = r["predicted_ttft_s"] / r["measured_ttft_s"] - 1
+                lines.append(f"| {r['nodes']} | {r['streams']} (s) | {r['measured_ttft_s']:.2f} | {r['predicted_ttft_s']:.2f} | "
+                             f"{e:+.0%} | | | | {r['load']:.2f} | {r['background']:.1f} |")
+                continue
             e1 = r["predicted_per_stream"] / r["measured_per_stream"] - 1
             e2 = r["predicted_aggregate"] / r["measured_aggregate"] - 1
             lines.append(f"| {r['nodes']} | {r['streams']} | {r['measured_per_stream']:.1f} | {r['predicted_per_stream']:.1f} | "

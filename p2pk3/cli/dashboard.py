@@ -41,7 +41,7 @@ def render(snap: dict):
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
                   caption="\n".join(notes) or None, caption_justify="left")
     for col, right in (("slot", False), ("node", False), ("state", False), ("layers", False), ("sess", True),
-                       ("queue", True), ("batch/s", True), ("tok/s", True), ("ms/batch", True), ("hop ms", True),
+                       ("queue", True), ("batch/s", True), ("tok/s", True), ("ms/batch", True), ("busy", True), ("hop ms", True),
                        ("memory", True)):
         table.add_column(col, justify="right" if right else "left", no_wrap=True, overflow="ellipsis",
                          min_width=min(len(col), 6))
@@ -50,7 +50,8 @@ def render(snap: dict):
         layers = f"{r['layers'][0]}..{r['layers'][1]}" if r["layers"] else "-"
         table.add_row(r["slot"] + (" (spare)" if r["standby_slot"] else ""), r["node"] or "-", state, layers,
                       _num(r["sessions"], "{}"), _num(r["queue"], "{}"), _num(r["batches_per_s"]),
-                      _num(r["tokens_per_s"]), _num(r["compute_ms"], "{:.2f}"), _num(r["hop_ms"], "{:.2f}"),
+                      _num(r["tokens_per_s"]), _num(r["compute_ms"], "{:.2f}"),
+                      _num(100 * r["busy"] if r.get("busy") is not None else None, "{:.0f}%"), _num(r["hop_ms"], "{:.2f}"),
                       _memory(r["memory"]))
     return table
 

@@ -147,11 +147,13 @@ _PROFILE = "the profile's {}, rtx5090: {}"
 @click.option("--context", type=click.IntRange(min=0), default=None, show_default=_PROFILE.format("workload.context", 32768),
               help="context at decode (MLA cache read)")
 @click.option("--micro-batches", type=click.IntRange(min=1), default=None,
-              show_default="as the entry batches them: all queued", help="spread the streams over this many micro-batches")
+              help="decode micro-batches in flight (default: as the daemon: one per stage; 1: one batch)")
+@click.option("--prefill-depth", type=click.IntRange(min=1), default=None,
+              help="chunks of one prompt in flight (default: as the daemon: one per stage; 1: one at a time)")
 @click.option("--plot", default=None, type=click.Path(dir_okay=False), help="PNG of throughput vs streams")
 @click.option("--json", "as_json", is_flag=True, help="print the figures as JSON")
 def simulate_cmd(topology_path, hw_path, model, streams, formats, accept, spec_k, tp, act, prompt, new_tokens, context,
-                 micro_batches, plot, as_json):
+                 micro_batches, prefill_depth, plot, as_json):
     """Discrete-event model of the ring: tokens/s per stream and in aggregate, TTFT, per-stage time."""
     from p2pk3.quant.formats import parse_formats
     from p2pk3.sim import load_profile, report, simulate_sweep
@@ -174,7 +176,7 @@ def simulate_cmd(topology_path, hw_path, model, streams, formats, accept, spec_k
         raise click.BadParameter("give at least one stream count >= 1", param_hint="--streams")
     results = simulate_sweep(cfg, topo, hw, ns, formats=parse_formats(formats) if formats else topo.model.formats, accept=accept, spec_k=spec_k, tp=tp,
                              act=act, prompt=prompt, new_tokens=new_tokens, context=context,
-                             micro_batches=micro_batches)
+                             micro_batches=micro_batches, prefill_depth=prefill_depth)
     if plot:
         report.plot(results, plot, title=f"{Path(topology_path).name}: {hw.name[:60]}")
     if as_json:

@@ -10,6 +10,28 @@ from .common import DTYPES, MODEL_HELP, UserError, build_prompt, model_dir, plur
 from .options import sampling_options, speculation_options, topology_option
 
 
+class _Schedule(click.ParamType):
+    """`auto` (None: one per active slot) or an integer >= 1 (--micro-batches, --prefill-depth)."""
+
+    name = "auto|N"
+
+    def convert(self, value, param, ctx):
+        if value is None or isinstance(value, int) or str(value).lower() == "auto":
+            return None if value is None or str(value).lower() == "auto" else value
+        if not str(value).isdigit() or int(value) < 1:
+            self.fail(f"expected auto or an integer >= 1, got {value!r}", param, ctx)
+        return int(value)
+
+
+SCHEDULE = _Schedule()
+
+
+def _schedule_args(micro_batches, prefill_depth) -> list[str]:
+    """The two schedule options as `p2pk3 node` arguments (for the daemons `p2pk3 local` starts)."""
+    return [a for flag, v in (("--micro-batches", micro_batches), ("--prefill-depth", prefill_depth))
+            if v is not None for a in (flag, str(v))]
+
+
 def _stop_on_signals(stop):
     import asyncio
     import signal
@@ -38,13 +60,18 @@ def _stop_on_signals(stop):
 @click.option("--dead-after", type=click.FloatRange(min=0.2), default=2.5, show_default=True,
               help="a peer that has not answered for this many seconds is dead (at least 2 heartbeats)")
 @click.option("--drop-beacons", is_flag=True, hidden=True, help="fault injection: received beacons are lost")
+@click.option("--micro-batches", type=SCHEDULE, default="auto", show_default=True,
+              help="decode micro-batches the entry keeps in flight (auto: one per active slot; 1: one batch)")
+@click.option("--prefill-depth", type=SCHEDULE, default="auto", show_default=True,
+              help="chunks of one prompt in flight at once (auto: one per active slot; 1: one at a time)")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
               help="serve Prometheus metrics on http://HOST:PORT/metrics (off by default)")
 @click.option("--compile/--no-compile", "compile_decode", default=None,
               help="compiled decode step (CUDA graphs on a GPU); default: on for CUDA, off on the CPU")
 @click.option("-v", "--verbose", count=True)
 def node(topology_path, slot, standby, host, port, dtype, device, max_sessions, cache_tokens, discovery,
-         advertise_host, heartbeat, dead_after, drop_beacons, verbose, metrics_port, compile_decode):
+         advertise_host, heartbeat, dead_after, drop_beacons, verbose, metrics_port, compile_decode, micro_batches,
+         prefill_depth):
     """Run one node daemon of the ring."""
     import asyncio
     import logging
@@ -82,7 +109,8 @@ def node(topology_path, slot, standby, host, port, dtype, device, max_sessions, 
     opts = NodeOptions(host=host or topo.slot(slot).host or "0.0.0.0", port=port, dtype=dtype, device=device,
                        max_sessions=max_sessions, cache_tokens=cache_tokens, discovery=discovery,
                        advertise_host=advertise_host, heartbeat_s=heartbeat, dead_after_s=dead_after,
-                       drop_beacons=drop_beacons, compile=compile_decode)
+                       drop_beacons=drop_beacons, compile=compile_decode, micro_batches=micro_batches,
+                       prefill_depth=prefill_depth)
     d = NodeDaemon(topo, slot, model_dir=topology_model_dir(topo), secret=secret, options=opts)
 
     async def run_daemon():
@@ -130,7 +158,13 @@ def node(topology_path, slot, standby, host, port, dtype, device, max_sessions, 
               help="also serve the OpenAI-compatible API there (p2pk3 serve beside the ring)")
 @click.option("--api-key-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="with --api: the bearer key clients must send")
-def local(model, nodes, standby, state_file, dtype, prompt, open_chat, api_addr, api_key_file, sampling):
+@click.option("--micro-batches", type=SCHEDULE, default="auto", show_default=True,
+              help="decode micro-batches the entry keeps in flight (auto: one per node, at most this host's "
+                   "cores; 1: one batch)")
+@click.option("--prefill-depth", type=SCHEDULE, default="auto", show_default=True,
+              help="chunks of one prompt in flight at once (auto: one per node; 1: one at a time)")
+def local(model, nodes, standby, state_file, dtype, prompt, open_chat, api_addr, api_key_file, sampling,
+          micro_batches, prefill_depth):
     """Start N daemons (and S standbys) on loopback as one ring; Ctrl-C, SIGTERM or SIGHUP stops them.
     A node that goes down, the standby that takes its slot over, and the ring's recovery are said here.
 
@@ -167,7 +201,7 @@ def local(model, nodes, standby, state_file, dtype, prompt, open_chat, api_addr,
             claim_state_file(state_file)  # refuses a state file that a running ring owns; removes a stale one
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--state") from None
-    ring = LocalRing(mdir, nodes, dtype=dtype, standby=standby)
+    ring = LocalRing(mdir, nodes, dtype=dtype, standby=standby, extra_args=_schedule_args(micro_batches, prefill_depth))
     spares = f" and {plural(standby, 'standby', 'standbys')}" if standby else ""
     click.echo(f"starting {plural(nodes, 'daemon')}{spares} for {mdir} ...")
 

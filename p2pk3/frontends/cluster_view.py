@@ -10,7 +10,8 @@ A row's `state`: `up` (entry or stage serving), `loading`, `standby` (a spare ho
 detector lists the slot as down), `unreachable` (no answer within the probe timeout: hung, stopped or cut
 off). Slots that moved by takeover are found where their new holder answers: every node reports the slot
 it serves now, and the entry address every node knows is probed too. `hop_ms` is the probe's status
-round trip (after the handshake), `compute_ms` the stage's last batch.
+round trip (after the handshake), `compute_ms` the stage's last batch, `busy` its compute time / wall time
+over the last 5 s.
 """
 from __future__ import annotations
 
@@ -130,7 +131,7 @@ class ClusterView:
         row = {"slot": s.id, "standby_slot": s.standby, "state": "unreachable", "node": None, "role": None,
                "address": _fmt((s.host, s.port)) if s.host and s.port else None, "epoch": None,
                "layers": list(s.layers) if s.layers else None, "sessions": None, "queue": None,
-               "batches_per_s": None, "tokens_per_s": None, "compute_ms": None, "hop_ms": None, "memory": None,
+               "batches_per_s": None, "tokens_per_s": None, "compute_ms": None, "busy": None, "hop_ms": None, "memory": None,
                "errors": None, "uptime_s": None, "reason": "no address known"}
         if p is None:
             if s.id in down:
@@ -149,7 +150,7 @@ class ClusterView:
             return row
         state = "up" if role in SERVING else "standby" if role == "standby" else "loading"
         row.update(state=state, node=st.get("node"), role=role, epoch=st.get("epoch"), sessions=st.get("sessions"),
-                   queue=st.get("queue"), compute_ms=st.get("last_batch_ms"), hop_ms=p.rtt_ms,
+                   queue=st.get("queue"), compute_ms=st.get("last_batch_ms"), busy=st.get("busy"), hop_ms=p.rtt_ms,
                    memory=st.get("memory"), errors=st.get("errors"), uptime_s=st.get("uptime_s"), reason="answering")
         if st.get("layers"):
             row["layers"] = list(st["layers"])

@@ -141,10 +141,12 @@ class NodeDaemon:
                                            self.cfg, self.topo.model.formats, None, o.compile)  # formats: p2pk3.quant
         self.runner = StageRunner(stage, stage.new_cache(o.max_sessions, o.cache_tokens))
         self.worker = StageWorker(self.runner, self._executor, slot=slot_id, max_batch_tokens=o.max_batch_tokens,
-                                  emit=self._emit, report=self._report, pass_free=self._pass_free)
+                                  emit=self._emit, report=self._report, pass_free=self._pass_free, first=plan.embed)
         if plan.embed:  # requests are taken from now on; they run once the worker starts
+            m, d = o.schedule(len(self.topo.active))
             self.entry = Entry(self.worker.put, self._free_from_entry, prefill_chunk=o.prefill_chunk,
-                               max_batch_tokens=o.max_batch_tokens, max_sessions=o.max_sessions)
+                               max_batch_tokens=o.max_batch_tokens, max_sessions=o.max_sessions,
+                               micro_batches=m, prefill_depth=d, stage_cost=self.worker.cost)
             self.coordinator = Coordinator(
                 self.entry, slot_id=slot_id, topo=self.topo, opts=o, routes=self.routes, holder_of=self.holder_of,
                 mark_dead=self.claims.mark_dead, broadcast=self.broadcast, retain=self.retain,
@@ -505,6 +507,7 @@ class NodeDaemon:
               "epoch": self.claim.epoch if self.claim else None, "address": [self.advertised_host, self.port],
               "batches": w.batches if w else 0, "tokens": w.tokens if w else 0,
               "busy_s": round(w.busy_s, 4) if w else 0.0, "last_batch_ms": round(w.last_batch_ms, 3) if w else 0.0,
+              "busy": round(self.worker.busy_fraction(), 3) if self.worker else 0.0,
               "queue": self.worker.depth if self.worker else 0,
               "sessions": self.runner.sessions if self.runner else 0,
               "errors": self.stats["errors"] + (w.errors if w else 0), "uptime_s": round(time.time() - self.stats["started"], 1),
@@ -523,6 +526,7 @@ class NodeDaemon:
             st["live_sessions"] = len(self.entry.live())
             st["paused"] = self.entry.paused
             st["finished"], st["failed"], st["cancelled"] = self.entry.finished, self.entry.failed, self.entry.cancelled
+            st["schedule"] = self.entry.schedule_stats()
         if self.coordinator is not None:
             st["unavailable"] = self.coordinator.unavailable
             st["down"] = sorted(self.coordinator.down)

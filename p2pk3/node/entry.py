@@ -1,10 +1,22 @@
-"""The entry role: owns sessions (token history, sampling parameters), schedules them into the ring with
-continuous batching, and streams tokens out.
+"""The entry role: owns sessions (token history, sampling parameters), schedules them into the ring and
+streams tokens out.
 
-Each round takes every session that has nothing in flight: running decodes contribute one token each,
-new prompts contribute a prefill chunk (at most `prefill_chunk` tokens per session, `max_batch_tokens`
-per batch), so a long prompt never stalls the decodes of the others. A session has at most one unit in
-flight; many sessions keep the pipeline of stages full.
+**Scheduling: keep every stage busy.** A ring of N stages works on N things at once only if N units are
+in flight, so the entry keeps several independent units in the ring (docs/architecture.md, "The
+scheduler"):
+
+* Decoding sessions are spread over `micro_batches` groups (M; the daemon's default is the number of
+  active slots), balanced by the tokens each puts in a pass (1, or 1 + k when it speculates). A group
+  leaves as one unit as soon as its own previous pass is back, never in lockstep with the others; a new
+  or finished session rebalances the groups (a session only moves while it has nothing in flight). M = 1
+  is one decode batch of every decoding session, the schedule before micro-batches.
+* Prompts are prefilled in chunks (at most `prefill_chunk` tokens) that enter the ring back to back: up
+  to `prefill_depth` chunks (D) of one session in flight, the chunks of several sessions packed into
+  units of at most `max_batch_tokens` (one chunk per session and unit: a stage runs one session's chunks
+  in position order, one after the other). While sessions decode, a prefill unit is cut to cost no more
+  than PREFILL_SHARE of a decode unit on the entry's own stage (`stage_cost`, measured), and every stage
+  runs decode units first with at most one prefill unit between two decode batches (worker.py), so a
+  long prompt never slows the others' tokens by more than a factor of two, and is never starved.
 
 The whole token history stays here, which is what makes failures survivable: `replay_all()` gives every
 live session a new epoch and restarts it from position 0, so its history (prompt + tokens generated so
@@ -24,6 +36,7 @@ back. Only accepted tokens enter the history, so a replay never sees a draft.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -37,6 +50,11 @@ from p2pk3.spec.proposers import NgramProposer, SuffixIndex, SuffixProposer
 from p2pk3.transport.messages import ErrorCode, Result, Segment
 
 from .stage_runner import Work
+
+
+# while sessions decode, a prefill unit costs at most this share of a decode unit: a stage runs at most one
+# prefill unit between two decode batches, so the others' inter-token time grows by at most 1 + this
+PREFILL_SHARE = 0.5
 
 
 class Busy(RuntimeError):
@@ -53,8 +71,9 @@ class Session:
     want_logits: bool = False
     incremental: bool = False
     sent: int = 0  # tokens of `tokens` sent into the ring in this epoch
-    inflight: bool = False
-    t_sent: float = 0.0  # when the unit in flight was sent
+    sent_at: collections.deque = field(default_factory=collections.deque)  # send times of the units in flight
+    decoding: bool = False  # its prefill of this epoch is done: it takes decode steps in a micro-batch
+    group: int | None = None  # its decode micro-batch
     done: bool = False
     error: str | None = None
     error_code: str | None = None
@@ -83,6 +102,16 @@ class Session:
     def generated(self) -> list[int]:
         return self.tokens[self.prompt_len:]
 
+    @property
+    def inflight(self) -> int:
+        """Units of this session in the ring (prefill chunks, or the one decode step)."""
+        return len(self.sent_at)
+
+    @property
+    def weight(self) -> int:
+        """Tokens it puts in a decode pass (what micro-batches are balanced by)."""
+        return 1 + (min(self.params.draft_tokens, MAX_DRAFT) if self.proposer is not None else 0)
+
     def stats(self) -> dict:
         n = len(self.generated)
         ttft = (self.t_first - self.t_submit) if self.t_first else None
@@ -100,10 +129,18 @@ class Session:
 
 class Entry:
     def __init__(self, submit_work, free_sessions, *, prefill_chunk: int = 256, max_batch_tokens: int = 2048,
-                 max_sessions: int = 64):
+                 max_sessions: int = 64, micro_batches: int = 1, prefill_depth: int = 1,
+                 stage_cost: PassCost | None = None):
         self._submit_work = submit_work  # callable(Work) -> None (first stage queue)
         self._free_sessions = free_sessions  # callable(list[(session, epoch)]) -> None (free along the ring)
         self.prefill_chunk, self.max_batch_tokens, self.max_sessions = prefill_chunk, max_batch_tokens, max_sessions
+        if micro_batches < 1 or prefill_depth < 1:
+            raise ValueError(f"micro_batches ({micro_batches}) and prefill_depth ({prefill_depth}) must be >= 1")
+        self.micro_batches, self.prefill_depth = micro_batches, prefill_depth
+        # compute ms of the entry's own stage by batch width (the worker feeds it): what a prefill unit may
+        # cost while sessions decode. None: prefill units are not cut
+        self.stage_cost = stage_cost
+        self.units_sent = {"decode": 0, "prefill": 0}
         self.sessions: dict[str, Session] = {}
         self._ids = itertools.count()
         self.node_tag = f"{time.time_ns() % 10**9:x}"
@@ -165,7 +202,8 @@ class Entry:
         n = 0
         for s in self.live():
             s.epoch += 1
-            s.sent, s.inflight, s.inflight_draft = 0, False, 0
+            s.sent, s.inflight_draft, s.decoding, s.group = 0, 0, False, None
+            s.sent_at.clear()
             s.logits.clear()
             s.replays += 1
             n += 1
@@ -182,7 +220,7 @@ class Entry:
     def expire(self, timeout_s: float) -> list[Session]:
         """Fail the sessions whose unit in flight has had no answer for `timeout_s` (nothing waits forever)."""
         now = time.perf_counter()
-        late = [s for s in self.live() if s.inflight and now - s.t_sent > timeout_s]
+        late = [s for s in self.live() if s.sent_at and now - s.sent_at[0] > timeout_s]
         for s in late:
             self._finish(s, error=f"no answer from the ring for {timeout_s:.0f} s (a stage lost the request)",
                          code="failed")
@@ -190,39 +228,117 @@ class Entry:
 
     # ------------------------------------------------------------------ scheduling
     def kick(self) -> None:
+        """Send every unit that may leave now: each idle decode micro-batch, then prefill chunks."""
         if self.paused:
             return
-        segs, ids, budget = [], [], self.max_batch_tokens
-        # decodes first (1 token each), then prefill chunks
-        ready = [s for s in self.sessions.values() if not s.done and not s.inflight and s.sent < len(s.tokens)]
-        ready.sort(key=lambda s: (s.sent < s.prompt_len, s.t_submit))
         now = time.perf_counter()
-        width = sum(1 if s.incremental else min(len(s.tokens) - s.sent, self.prefill_chunk) for s in ready)
-        batch, drafting = [], False
-        for s in ready:
-            n = min(len(s.tokens) - s.sent, self.prefill_chunk, budget)
-            if s.incremental:
-                n = 1
-            if n <= 0:
+        decoding = [s for s in self.sessions.values() if not s.done and s.decoding]
+        self._balance(decoding)
+        widest = 0
+        for g in range(self.micro_batches):
+            members = [s for s in decoding if s.group == g]
+            widest = max(widest, sum(s.weight for s in members))
+            if members and not any(s.inflight for s in members):  # its previous pass is back
+                self._send_decodes([s for s in members if s.sent < len(s.tokens)], now)
+        self._send_prefills(now, widest)
+
+    def _balance(self, decoding: list[Session]) -> None:
+        """Give new decoding sessions the lightest micro-batch (an idle one among equals); move an idle
+        session from the heaviest to the lightest group while that narrows the gap (after a finish)."""
+        M = self.micro_batches
+        load = [0] * M
+        busy = [False] * M
+        for s in decoding:
+            if s.group is not None and s.group < M:
+                load[s.group] += s.weight
+                busy[s.group] = busy[s.group] or bool(s.inflight)
+        for s in sorted((s for s in decoding if s.group is None or s.group >= M), key=lambda s: s.t_submit):
+            g = min(range(M), key=lambda g: (load[g], busy[g], g))
+            s.group = g
+            load[g] += s.weight
+        for _ in range(len(decoding)):
+            hi, lo = max(range(M), key=lambda g: load[g]), min(range(M), key=lambda g: load[g])
+            movable = [s for s in decoding if s.group == hi and not s.inflight and load[hi] - load[lo] > s.weight]
+            if not movable:
                 break
-            last = s.sent + n == len(s.tokens)
-            sample = s.seg_params if last and not s.want_logits else None
+            s = movable[-1]
+            s.group = lo
+            load[hi] -= s.weight
+            load[lo] += s.weight
+
+    def _send_decodes(self, group: list[Session], now: float) -> None:
+        """One decode unit: a token per session of the group (plus its drafts when it speculates)."""
+        if not group:
+            return
+        segs, ids, budget = [], [], self.max_batch_tokens
+        width = len(group)
+        drafting = False
+        for s in group:
+            if budget <= 0:
+                break
             draft: tuple[int, ...] = ()
-            if sample is not None and n == 1 and s.proposer is not None:
+            if s.proposer is not None and not s.want_logits:
                 draft = self._draft(s, budget - 1, width, drafting)
                 width += len(draft)
                 drafting = drafting or bool(draft)
-            segs.append(Segment(s.id, s.epoch, s.sent, n + len(draft), sample, s.want_logits, draft))
-            ids.extend(s.tokens[s.sent:s.sent + n])
+            segs.append(Segment(s.id, s.epoch, s.sent, 1 + len(draft), s.seg_params, s.want_logits, draft))
+            ids.append(s.tokens[s.sent])
             ids.extend(draft)
-            s.sent += n
-            s.inflight, s.t_sent, s.inflight_draft = True, now, len(draft)
-            budget -= n + len(draft)
-            batch.append(s)
-        if segs:
-            for s in batch:
-                s.sent_width, s.sent_verify = len(ids), drafting
+            s.sent += 1
+            s.sent_at.append(now)
+            s.inflight_draft = len(draft)
+            budget -= 1 + len(draft)
+        for s in group[:len(segs)]:
+            s.sent_width, s.sent_verify = len(ids), drafting
+        self.units_sent["decode"] += 1
+        self._submit_work(Work(segs, tokens=torch.tensor(ids, dtype=torch.long)))
+
+    def _send_prefills(self, now: float, decode_width: int) -> None:
+        """Chunks of the sessions still prefilling, up to `prefill_depth` per session in flight, packed
+        into units (one chunk per session and unit). While sessions decode a unit is cut to the width
+        whose measured cost is PREFILL_SHARE of the widest decode unit's."""
+        budget_cap = self.max_batch_tokens
+        if decode_width:
+            budget_cap = min(budget_cap, self._prefill_budget(decode_width))
+        while True:
+            ready = [s for s in self.sessions.values() if not s.done and not s.decoding
+                     and s.sent < len(s.tokens) and s.inflight < self.prefill_depth]
+            if not ready:
+                return
+            ready.sort(key=lambda s: s.t_submit)
+            segs, ids, budget = [], [], budget_cap
+            for s in ready:
+                n = 1 if s.incremental else min(len(s.tokens) - s.sent, self.prefill_chunk, budget)
+                if n <= 0:
+                    break
+                last = s.sent + n == len(s.tokens)
+                sample = s.seg_params if last and not s.want_logits else None
+                segs.append(Segment(s.id, s.epoch, s.sent, n, sample, s.want_logits))
+                ids.extend(s.tokens[s.sent:s.sent + n])
+                s.sent += n
+                s.sent_at.append(now)
+                s.inflight_draft = 0
+                budget -= n
+            for s in ready[:len(segs)]:
+                s.sent_width, s.sent_verify = len(ids), False
+            self.units_sent["prefill"] += 1
             self._submit_work(Work(segs, tokens=torch.tensor(ids, dtype=torch.long)))
+
+    def _prefill_budget(self, decode_width: int) -> int:
+        """Tokens of a prefill unit that cost (on the entry's stage, as measured) at most PREFILL_SHARE of
+        a decode unit of `decode_width` tokens: the largest such width, at least 1."""
+        cost = self.stage_cost
+        ref = cost.estimate(decode_width) if cost is not None else None
+        if ref is None:
+            return self.max_batch_tokens
+        ref *= PREFILL_SHARE
+        lo, hi = 1, self.max_batch_tokens
+        if (cost.estimate(hi) or 0.0) <= ref:
+            return hi
+        while hi - lo > 1:  # the estimate grows with the width
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if cost.estimate(mid) <= ref else (lo, mid)
+        return lo
 
     def _cost(self, width: int, verify: bool) -> float | None:
         """Estimated ring ms of a batch of `width` tokens, with drafts (verify) or without."""
@@ -254,6 +370,14 @@ class Entry:
         s.drafts += 1
         return tuple(d[:k])
 
+    def schedule_stats(self) -> dict:
+        """For the status: the schedule, and the units it keeps in the ring now."""
+        live = self.live()
+        return {"micro_batches": self.micro_batches, "prefill_depth": self.prefill_depth,
+                "units_sent": dict(self.units_sent),
+                "decoding": sum(1 for s in live if s.decoding), "prefilling": sum(1 for s in live if not s.decoding),
+                "in_flight": sum(s.inflight for s in live)}
+
     def spec_stats(self) -> dict:
         """For the status: the measured ring time by pass width and the totals of speculating sessions."""
         t = self.spec_totals
@@ -269,14 +393,17 @@ class Entry:
             if s is None or s.done or r.epoch != s.epoch:  # finished, or a unit of an epoch before a replay
                 row += r.rows
                 continue
-            s.inflight = False
             if r.error is not None:
                 self._finish(s, error=r.error, code=r.code or ErrorCode.FAILED)
                 continue
+            if not s.sent_at:  # nothing of it is in flight: a stray answer (a unit answered twice)
+                row += r.rows
+                continue
+            t_sent = s.sent_at.popleft()  # a session's units come back in the order they left
             if s.want_logits:
                 s.logits.append(logits[row:row + r.rows].clone())
                 row += r.rows
-                if s.sent >= len(s.tokens):
+                if s.sent >= len(s.tokens) and not s.sent_at:
                     self._finish(s)
                 continue
             if r.skip:
@@ -288,7 +415,9 @@ class Entry:
                 self._finish(s, error=f"the ring accepted {len(r.accepted)} drafted tokens of {s.inflight_draft}",
                              code=ErrorCode.FAILED)
                 continue
-            (self.verify_cost if s.sent_verify else self.pass_cost).observe(s.sent_width, 1000 * (now - s.t_sent))
+            if s.decoding:  # ring time of decode passes (prefill chunks wait behind each other)
+                (self.verify_cost if s.sent_verify else self.pass_cost).observe(s.sent_width, 1000 * (now - t_sent))
+            s.decoding = True
             if s.proposer is not None:
                 if s.inflight_draft == 0 and s.shadow is not None and r.tokens:
                     s.draft_len.observe(1, int(r.tokens[0] == s.shadow))  # the shadow guess, verified for free
@@ -315,7 +444,8 @@ class Entry:
         self.kick()
 
     def _finish(self, s: Session, error: str | None = None, code: str | None = None) -> None:
-        s.done, s.error, s.error_code, s.inflight = True, error, code, False
+        s.done, s.error, s.error_code = True, error, code
+        s.sent_at.clear()
         s.t_done = time.perf_counter()
         if isinstance(s.proposer, SuffixProposer) and len(s.tokens) > s.prompt_len:
             self.suffix_index.add(s.tokens[max(0, s.prompt_len - 8):])  # the output, with a little context

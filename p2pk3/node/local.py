@@ -104,7 +104,10 @@ class LocalRing:
         self.topo = Topology.load(self.topology)
         self.secret = self.topo.secret()
         self.dtype = dtype
-        self.extra = extra_args or []
+        self.extra = list(extra_args or [])
+        if "--micro-batches" not in self.extra:  # the daemons share this host's cores: no more decode
+            # micro-batches than can compute at once (docs/architecture.md, "The scheduler")
+            self.extra += ["--micro-batches", str(max(1, min(nodes, os.cpu_count() or 1)))]
         self.log_dir = Path(log_dir) if log_dir else self.workdir
         self.procs: dict[str, subprocess.Popen] = {}  # by the slot each process was started on
         self.failed = False

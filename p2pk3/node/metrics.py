@@ -116,6 +116,7 @@ class DaemonCollector:
         yield counter("p2pk3_tokens", "tokens this stage has computed (prefill and decode)", st.get("tokens", 0))
         yield counter("p2pk3_batches", "batches this stage has run", st.get("batches", 0))
         yield counter("p2pk3_busy_seconds", "seconds this stage spent computing", st.get("busy_s", 0.0))
+        yield gauge("p2pk3_busy_fraction", "compute time / wall time of this stage over the last 5 s", st.get("busy", 0.0))
         yield gauge("p2pk3_last_batch_seconds", "compute time of the last batch", st.get("last_batch_ms", 0.0) / 1000)
         yield gauge("p2pk3_sessions", "sessions with state in this stage's cache", st.get("sessions", 0))
         yield gauge("p2pk3_queue_depth", "work items waiting for this stage", st.get("queue", 0))

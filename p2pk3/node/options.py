@@ -22,6 +22,9 @@ class NodeOptions:
     cache_tokens: int | None = None
     max_batch_tokens: int = 2048  # tokens in one stage batch
     prefill_chunk: int = 256  # the entry cuts prompts into chunks of at most this many tokens
+    # the entry's schedule (docs/architecture.md, "The scheduler"); None: auto = the ring's active slots
+    micro_batches: int | None = None  # decode micro-batches in flight at once (1: one batch of every decode)
+    prefill_depth: int | None = None  # chunks of one prompt in flight at once (1: the next leaves when one is back)
     discovery: bool = False  # UDP beacons
     claim_wait: float = 1.5  # seconds of listening to beacons before claiming
     # failure handling (docs/architecture.md, "Failure handling")
@@ -46,3 +49,8 @@ class NodeOptions:
         if tokens is None:
             tokens = sessions * memory.context if memory.given else DEFAULT_CACHE_TOKENS
         return replace(self, max_sessions=sessions, cache_tokens=tokens)
+
+    def schedule(self, active_slots: int) -> tuple[int, int]:
+        """(micro-batches, prefill depth) for a ring of `active_slots` stages: auto is one unit per stage."""
+        auto = max(1, active_slots)
+        return self.micro_batches or auto, self.prefill_depth or auto

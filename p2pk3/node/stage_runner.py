@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from p2pk3.engine.sampling import sample_at
-from p2pk3.model.cache import SessionError, Span, StageCache
+from p2pk3.model.cache import CacheFull, SessionError, Span, StageCache
 from p2pk3.model.dtypes import TORCH_DTYPES
 from p2pk3.model.kimi_k3 import Hop
 from p2pk3.model.stage import K3Stage, StagePlan
@@ -146,20 +146,37 @@ class StageRunner:
 
     def _admit(self, work: Work) -> list[str]:
         """Open the sessions that start here (position 0), replacing an older epoch's state; refuse
-        segments of an epoch older than the one held. Returns the sessions opened."""
-        opened = []
+        segments of an epoch older than the one held, and units of a session out of position order
+        (checked for every segment before anything is opened). Returns the sessions opened."""
+        seen, opening = set(), []
         for s in work.segments:
             sid, held = str(s.session), self.epochs.get(str(s.session))
+            if sid in seen:
+                raise SessionError(f"session {sid}: two units of one session in one batch; a stage runs a "
+                                   f"session's chunks one after the other, in position order")
+            seen.add(sid)
             if held is not None and s.epoch < held:
                 raise SessionError(f"session {sid}: epoch {s.epoch} is older than the stage's {held} (replayed)")
             if s.start_pos == 0 and (held is None or s.epoch > held):
+                opening.append((sid, s.epoch, held))
+            elif held is not None and s.epoch > held:
+                raise SessionError(f"session {sid}: epoch {s.epoch} must restart at position 0, not {s.start_pos}")
+            elif held is not None and self.cache.has(sid) and s.start_pos > self.cache.get(sid).length:
+                raise SessionError(f"session {sid}: a unit at position {s.start_pos} arrived before positions "
+                                   f"{self.cache.get(sid).length}..{s.start_pos - 1}; a stage runs one session's "
+                                   f"chunks in position order (a unit was lost or reordered on the way here)")
+        opened = []
+        try:
+            for sid, epoch, held in opening:
                 if held is not None:
                     self.free(sid)
                 self.cache.open(sid)
-                self.epochs[sid] = s.epoch
+                self.epochs[sid] = epoch
                 opened.append(sid)
-            elif held is not None and s.epoch > held:
-                raise SessionError(f"session {sid}: epoch {s.epoch} must restart at position 0, not {s.start_pos}")
+        except CacheFull:
+            for sid in opened:
+                self.free(sid)
+            raise
         return opened
 
     def _rollback(self, segments: list[Segment], opened: list[str]) -> None:

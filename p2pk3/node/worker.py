@@ -1,12 +1,24 @@
-"""The stage worker: takes whatever is queued (up to a token budget), packs it into one batch, runs it
-in a worker thread (the event loop keeps moving bytes and answering heartbeats), and hands the output
-on: a hop to the successor, results to the entry. A failing batch is rerun unit by unit so that only
-the offending sessions get an error; the worker survives anything a batch does.
+"""The stage worker: picks what to run next from what is queued, runs it in a worker thread (the event
+loop keeps receiving frames and answering heartbeats meanwhile), and hands the output to an ordered
+sender, so the next batch starts while the previous result is still being sent. A failing batch is rerun
+unit by unit so that only the offending sessions get an error; the worker survives anything a batch does.
 
-`free` items travel the queue in order with the work, so a session is freed only after its last unit."""
+What runs next (docs/architecture.md, "The scheduler"):
+* decode units before prefill units, with at most one prefill unit between two decode batches (a
+  prompt's chunks never wait forever, a decode never waits behind more than one chunk);
+* on every stage but the first, the queued units of that kind are batched together (up to the token
+  budget) when the stage is behind; the first stage runs the entry's units as the entry formed them,
+  so its micro-batches stay apart instead of merging back into one lockstep batch;
+* never two units of one session in one batch, and never a unit of a session before an earlier one of
+  that session (a stage runs one session's chunks in position order);
+* `free` / `retain` items are barriers: nothing moves past them, so a session is freed only after its
+  last unit, and they are passed on behind the outputs of the work before them.
+
+Busy fraction (compute time / wall time) over the last seconds is `busy_fraction()`, in the status."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from concurrent.futures import Executor
@@ -15,6 +27,7 @@ from typing import Awaitable, Callable
 
 from p2pk3.model.cache import CacheFull, SessionError
 from p2pk3.model.kimi_k3 import ExpertNotHeld
+from p2pk3.spec.draft_len import PassCost
 from p2pk3.transport.messages import ErrorCode, Result, Segment
 
 from .stage_runner import HeadOut, HopOut, StageRunner, Work, merge
@@ -22,6 +35,8 @@ from .stage_runner import HeadOut, HopOut, StageRunner, Work, merge
 log = logging.getLogger("p2pk3.node")
 
 RECOVERABLE = (CacheFull, SessionError, ExpertNotHeld)
+BUSY_WINDOW_S = 5.0
+OUTBOX = 4  # outputs waiting to be sent before the worker waits for the sender (backpressure)
 
 
 @dataclass
@@ -52,53 +67,98 @@ def error_results(segments: list[Segment], e: Exception) -> list[Result]:
     return [Result(s.session, s.epoch, s.start_pos, error=msg, code=code) for s in segments]
 
 
+def is_decode(work: Work) -> bool:
+    """A unit of decode steps: every segment samples after its one token (and its drafts)."""
+    return all(s.sample is not None and s.n_tokens == 1 + len(s.draft) for s in work.segments)
+
+
+def cost_width(n: int) -> int:
+    """Batch widths as the stage's cost table keeps them: exact up to 16, then in steps of 16."""
+    return n if n <= 16 else 16 * round(n / 16)
+
+
+class BusyMeter:
+    """Compute intervals of the last `window_s` seconds -> the fraction of wall time spent computing."""
+
+    def __init__(self, window_s: float = BUSY_WINDOW_S):
+        self.window_s = window_s
+        self.spans: collections.deque[tuple[float, float]] = collections.deque()
+        self.running_since: float | None = None
+
+    def start(self) -> None:
+        self.running_since = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.running_since is not None:
+            self.spans.append((self.running_since, time.perf_counter()))
+            self.running_since = None
+
+    def fraction(self, now: float | None = None) -> float:
+        now = time.perf_counter() if now is None else now
+        t0 = now - self.window_s
+        while self.spans and self.spans[0][1] < t0:
+            self.spans.popleft()
+        busy = sum(min(b, now) - max(a, t0) for a, b in self.spans if b > t0)
+        if self.running_since is not None:
+            busy += now - max(self.running_since, t0)
+        return max(0.0, min(1.0, busy / self.window_s))
+
+
 class StageWorker:
     def __init__(self, runner: StageRunner, executor: Executor, *, slot: str, max_batch_tokens: int,
                  emit: Callable[[list[Segment], HopOut | HeadOut], Awaitable[None]],
                  report: Callable[[list[Result]], Awaitable[None]],
-                 pass_free: Callable[[Free], Awaitable[None]]):
+                 pass_free: Callable[[Free], Awaitable[None]], first: bool = False):
         self.runner, self.executor, self.slot = runner, executor, slot
         self.max_batch_tokens = max_batch_tokens
         self.emit, self.report, self.pass_free = emit, report, pass_free
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.first = first  # the entry's stage: runs the entry's units as they are (no merging)
+        self.items: collections.deque = collections.deque()
+        self._wake = asyncio.Event()
+        self._outbox: asyncio.Queue = asyncio.Queue(OUTBOX)
         self.stats = WorkerStats()
-        self._task: asyncio.Task | None = None
+        self.busy = BusyMeter()
+        self.cost = PassCost()  # compute ms by batch width (cost_width): the entry cuts prefill units by it
+        self._prefill_owed = False
+        self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name=f"stage-{self.slot}")
+        self._tasks = [asyncio.create_task(self._loop(), name=f"stage-{self.slot}"),
+                       asyncio.create_task(self._send_loop(), name=f"stage-{self.slot}-send")]
 
     def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for t in self._tasks:
+            t.cancel()
 
-    def put(self, item: Work | Free) -> None:
-        self.queue.put_nowait(item)
+    def put(self, item: Work | Free | Retain) -> None:
+        self.items.append(item)
+        self._wake.set()
 
     @property
     def depth(self) -> int:
-        return self.queue.qsize()
+        return len(self.items)
+
+    def busy_fraction(self) -> float:
+        return self.busy.fraction()
 
     async def _loop(self) -> None:
         while True:
-            item = await self.queue.get()
-            if isinstance(item, Free):
-                await self._free(item)
+            while not self.items:
+                self._wake.clear()
+                await self._wake.wait()
+            head = self.items[0]
+            if isinstance(head, (Free, Retain)):
+                self.items.popleft()
+                if isinstance(head, Free):
+                    for sid, epoch in head.sessions:
+                        self.runner.free(str(sid), epoch)
+                    await self._outbox.put(("free", head))
+                else:
+                    self._retain(head)
                 continue
-            if isinstance(item, Retain):
-                self._retain(item)
-                continue
-            works, n, pending_free = [item], item.n_tokens, []
-            while not self.queue.empty() and n < self.max_batch_tokens:  # continuous batching
-                nxt = self.queue.get_nowait()
-                if isinstance(nxt, (Free, Retain)):
-                    pending_free.append(nxt)
-                    break
-                works.append(nxt)
-                n += nxt.n_tokens
+            works = self._take()
             try:
                 await self._run(works)
-                for fr in pending_free:
-                    await self._free(fr) if isinstance(fr, Free) else self._retain(fr)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the worker must survive anything one batch does
@@ -110,42 +170,82 @@ class StageWorker:
                     except Exception:
                         log.warning("slot %s: could not report the failure to the entry", self.slot)
 
+    def _take(self) -> list[Work]:
+        """The units of the next batch, removed from the queue (see the module docstring)."""
+        head = next((i for i, it in enumerate(self.items) if isinstance(it, (Free, Retain))), len(self.items))
+        queued = [self.items[i] for i in range(head)]
+        decode = [is_decode(w) for w in queued]
+        has_prefill = not all(decode)
+        want = any(decode) and not (self._prefill_owed and has_prefill)
+        self._prefill_owed = want and has_prefill  # a prefill unit waits behind this decode batch: it goes next
+        taken, seen, blocked, n = [], set(), set(), 0
+        for i, w in enumerate(queued):
+            sids = {str(s.session) for s in w.segments}
+            if decode[i] != want or sids & (seen | blocked) or (taken and n + w.n_tokens > self.max_batch_tokens) \
+                    or (taken and (w.tokens is None) != (queued[taken[0]].tokens is None)):
+                blocked |= sids  # its later units must not overtake it
+                continue
+            taken.append(i)
+            seen |= sids
+            n += w.n_tokens
+            if self.first:
+                break
+        keep = set(taken)
+        rest = [w for i, w in enumerate(queued) if i not in keep]
+        for _ in range(head):
+            self.items.popleft()
+        self.items.extendleft(reversed(rest))
+        return [queued[i] for i in taken]
+
     def _retain(self, r: Retain) -> None:
         for sid, held in list(self.runner.epochs.items()):
             if r.sessions.get(sid, -1) != held:
                 self.runner.free(sid)
 
-    async def _free(self, fr: Free) -> None:
-        for sid, epoch in fr.sessions:
-            self.runner.free(str(sid), epoch)
-        await self.pass_free(fr)
+    async def _send_loop(self) -> None:
+        """Sends outputs and passes frees on, in the order the worker produced them."""
+        while True:
+            kind, a, *b = await self._outbox.get()
+            try:
+                if kind == "free":
+                    await self.pass_free(a)
+                else:
+                    await self.emit(a, b[0])
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - a failed send must not stop the sender
+                log.exception("slot %s: sending an output failed", self.slot)
+
+    def _compute(self, group: list[Work]):
+        return self.runner.run(merge(group))
 
     async def _run(self, works: list[Work]) -> None:
         loop = asyncio.get_running_loop()
-        groups = [works]
-        if len(works) > 1 and (works[0].tokens is None) != (works[-1].tokens is None):
-            groups = [[w] for w in works]
-        for group in groups:
-            t0 = time.perf_counter()
+        t0 = time.perf_counter()
+        self.busy.start()
+        try:
             try:
-                outs = [(group, await loop.run_in_executor(self.executor, self.runner.run, merge(group)))]
+                outs = [(works, await loop.run_in_executor(self.executor, self._compute, works))]
+                self.cost.observe(cost_width(sum(w.n_tokens for w in works)), 1000 * (time.perf_counter() - t0))
             except Exception as e:  # CacheFull, SessionError, ExpertNotHeld, or a bad hop's shapes
                 outs = []
-                if len(group) == 1:
-                    await self._failed(group[0], e)
+                if len(works) == 1:
+                    await self._failed(works[0], e)
                 else:  # one bad unit must not fail the others: rerun them one by one
-                    for w in group:
+                    for w in works:
                         try:
                             outs.append(([w], await loop.run_in_executor(self.executor, self.runner.run, w)))
                         except Exception as e1:
                             await self._failed(w, e1)
-            dt = time.perf_counter() - t0
-            self.stats.busy_s += dt
-            for g, out in outs:
-                self.stats.batches += 1
-                self.stats.tokens += sum(w.n_tokens for w in g)
-                self.stats.last_batch_ms = 1000 * dt
-                await self.emit([s for w in g for s in w.segments], out)
+        finally:
+            self.busy.stop()
+        dt = time.perf_counter() - t0
+        self.stats.busy_s += dt
+        for g, out in outs:
+            self.stats.batches += 1
+            self.stats.tokens += sum(w.n_tokens for w in g)
+            self.stats.last_batch_ms = 1000 * dt
+            await self._outbox.put(("out", [s for w in g for s in w.segments], out))
 
     async def _failed(self, work: Work, e: Exception) -> None:
         self.stats.errors += 1

@@ -24,7 +24,11 @@ def spec_width(accept: float | None, k: int | None) -> tuple[float, int]:
 
 
 def simulate_sweep(cfg, topo, hw: Profile, streams: list[int], *, formats=None, accept=None, spec_k=None, tp=1,
-                   act=None, prompt=None, new_tokens=None, context=None, micro_batches=None) -> list[SimResult]:
+                   act=None, prompt=None, new_tokens=None, context=None, micro_batches=None,
+                   prefill_depth=None) -> list[SimResult]:
+    """The ring's figures at each stream count, scheduled as the daemon schedules it: micro_batches and
+    prefill_depth None (auto) are one per stage, the daemon's default; 1 and 1 is the schedule before
+    micro-batches."""
     stages = build_stages(cfg, topo, hw, formats, tp, act)
     cost = CostModel(cfg, stages, hw)
     a, width = spec_width(accept, spec_k)
@@ -32,14 +36,13 @@ def simulate_sweep(cfg, topo, hw: Profile, streams: list[int], *, formats=None, 
     for n in streams:
         w = Workload(n, prompt or int(hw.get("workload.prompt", 1024)), new_tokens or int(hw.get("workload.new_tokens", 256)),
                      int(hw.get("workload.context", 32768)) if context is None else context, a, width,
-                     int(hw.get("batching.prefill_chunk", 2048)), int(hw.get("batching.max_batch_tokens", 2048)))
-        if micro_batches:  # the entry spreads the streams over this many micro-batches
-            w.max_batch_streams = max(1, math.ceil(n / micro_batches))
+                     int(hw.get("batching.prefill_chunk", 2048)), int(hw.get("batching.max_batch_tokens", 2048)),
+                     micro_batches or 0, prefill_depth or 0)
         r = run(cost, w, int(hw.get("cpu.cores", 0)), float(hw.get("cpu.background", 0.0)),
                 float(hw.get("cpu.sleeper_gap_s", math.inf)))
         r.meta = {"accept": a, "width": width, "tp": tp, "act": act or hw.get("activations.dtype", "bf16"),
                   "formats": dict(formats or {}), "stages": len(stages), "prompt": w.prompt,
                   "new_tokens": w.new_tokens, "context": w.context,
-                  "max_batch_streams": w.max_batch_streams}
+                  "micro_batches": w.micro_batches or len(stages), "prefill_depth": w.prefill_depth or len(stages)}
         out.append(r)
     return out

@@ -1,10 +1,15 @@
-"""The discrete-event ring.
+"""The discrete-event ring, scheduled as the daemon schedules it (p2pk3/node/entry.py, worker.py).
 
-Streams start together. The entry (stage 0) schedules, like p2pk3/node/entry.py, decode steps first and
-then prefill chunks of at most `prefill_chunk` tokens; a stage that is free takes everything queued (up to
-`max_batch_tokens`) as one packed batch (continuous batching), runs it for `CostModel.pass_s`, and sends it
-on after the hop; the last stage returns results to the entry, which queues each stream's next unit. With
-speculation every decode pass of a stream is (k + 1) tokens wide and yields `accept` tokens on average.
+Streams start together. The entry (stage 0) keeps `micro_batches` decode groups (M; 0: one per stage, the
+daemon's default), balanced by tokens, each leaving as one unit as soon as its own previous pass is back,
+and up to `prefill_depth` chunks (D; 0: one per stage) of each prompt in flight, packed one chunk per
+stream into units of at most `max_batch_tokens`; while streams decode, a prefill unit is cut to
+PREFILL_SHARE of the cost of the widest decode unit on stage 0. A free stage takes decode units before
+prefill units, with at most one prefill unit between two decode batches; stage 0 runs the entry's units as they are, every other stage
+batches what is queued of one kind (up to `max_batch_tokens`, never two units of one stream), runs it for
+`CostModel.pass_s`, and sends it on after the hop; the last stage returns results to the entry. M = D = 1
+is the schedule before micro-batches (one decode batch, one chunk of a prompt in flight). With speculation
+every decode pass of a stream is (k + 1) tokens wide and yields `accept` tokens on average.
 Stages on a shared CPU (`cpu.cores` > 0) run under processor sharing: with n passes running and b
 runnable processes of others, each pass advances at min(1, cores / (n + b)). Optionally (`sleep_gap_s`, off
 by default: on this host it did not hold from one run to the next) a pass whose stage waited longer than
@@ -17,6 +22,8 @@ from dataclasses import dataclass, field
 
 from .model import CostModel, Unit
 
+PREFILL_SHARE = 0.5  # as p2pk3/node/entry.py: a prefill unit costs at most this share of a decode unit
+
 
 @dataclass
 class Workload:
@@ -28,7 +35,8 @@ class Workload:
     width: int = 1  # tokens per decode pass (k + 1)
     prefill_chunk: int = 2048
     max_batch_tokens: int = 2048
-    max_batch_streams: int = 0  # units per stage pass (0: no limit): micro-batches that fill the pipeline
+    micro_batches: int = 0  # decode groups in flight (0: one per stage, as the daemon's default)
+    prefill_depth: int = 0  # chunks of one prompt in flight (0: one per stage, as the daemon's default)
 
 
 @dataclass
@@ -44,8 +52,11 @@ class SimResult:
 
 def run(cost: CostModel, w: Workload, cores: int = 0, background: float = 0.0, sleep_gap_s: float = math.inf) -> SimResult:
     S = len(cost.stages)
-    queues: list[list[Unit]] = [[] for _ in range(S)]
+    M = w.micro_batches or S
+    D = w.prefill_depth or S
+    queues: list[list[list[Unit]]] = [[] for _ in range(S)]  # per stage: units (lists of Unit) in arrival order
     busy = [False] * S
+    owed = [False] * S  # a prefill unit waited behind the last decode batch: it goes next
     busy_time = [0.0] * S
     passes = [0] * S
     tok_in = [0] * S
@@ -54,7 +65,7 @@ def run(cost: CostModel, w: Workload, cores: int = 0, background: float = 0.0, s
     seq = 0
     now = 0.0
     # processor sharing state (cores > 0): running job -> remaining work
-    running: dict[int, list] = {}  # stage -> [remaining work s, units, start]
+    running: dict[int, list] = {}  # stage -> [remaining work s, units, start, woken]
     version = 0
     last = 0.0
 
@@ -63,7 +74,10 @@ def run(cost: CostModel, w: Workload, cores: int = 0, background: float = 0.0, s
         seq += 1
         heapq.heappush(ev, (t, seq, kind, data))
 
+    sent_prompt = [0] * w.streams
     done_prompt = [0] * w.streams
+    inflight = [0] * w.streams
+    group: list[int | None] = [None] * w.streams
     made = [0.0] * w.streams
     t_first = [None] * w.streams
     t_last = [0.0] * w.streams
@@ -93,49 +107,120 @@ def run(cost: CostModel, w: Workload, cores: int = 0, background: float = 0.0, s
             k = min(running, key=lambda j: running[j][0] / rate(j))
             push(last + max(0.0, running[k][0]) / rate(k), "ps_done", (k, version))
 
-    def next_unit(i: int) -> Unit | None:
-        if done_prompt[i] < w.prompt:
-            n = min(w.prefill_chunk, w.prompt - done_prompt[i])
-            return Unit(i, n, done_prompt[i] + n, True)
-        if made[i] >= w.new_tokens:
-            return None
-        ctx = w.context if w.context else w.prompt + int(made[i])
-        return Unit(i, w.width, ctx, False)
+    def decoding(i: int) -> bool:
+        return t_first[i] is not None and made[i] < w.new_tokens
+
+    def ctx(i: int) -> int:
+        return w.context if w.context else w.prompt + int(made[i])
+
+    caps: dict[int, int] = {}
+
+    def prefill_cap(width: int) -> int:
+        """Tokens of a prefill unit costing (on stage 0) at most PREFILL_SHARE of a decode unit of `width` streams."""
+        if width not in caps:
+            caps[width] = _cap(width)
+        return caps[width]
+
+    def _cap(width: int) -> int:
+        ref = PREFILL_SHARE * cost.pass_s(0, [Unit(0, w.width, ctx(0), False)] * width)
+        lo, hi = 1, w.max_batch_tokens
+        if cost.pass_s(0, [Unit(0, hi, hi, True)]) <= ref:
+            return hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if cost.pass_s(0, [Unit(0, mid, mid, True)]) <= ref else (lo, mid)
+        return lo
+
+    def kick():
+        """The entry: every idle decode group leaves, then prefill chunks up to the depth."""
+        dec = [i for i in range(w.streams) if decoding(i)]
+        load = [0] * M
+        for i in dec:
+            if group[i] is None:
+                group[i] = min(range(M), key=lambda g: (load[g], any(inflight[j] for j in dec if group[j] == g), g))
+            load[group[i]] += 1
+        while True:  # a finished stream rebalances: move an idle one from the heaviest to the lightest group
+            hi, lo = max(range(M), key=lambda g: load[g]), min(range(M), key=lambda g: load[g])
+            if load[hi] - load[lo] <= 1:
+                break
+            mv = [i for i in dec if group[i] == hi and not inflight[i]]
+            if not mv:
+                break
+            group[mv[-1]] = lo
+            load[hi] -= 1
+            load[lo] += 1
+        groups: list[list[int]] = [[] for _ in range(M)]
+        for i in dec:
+            groups[group[i]].append(i)
+        for members in groups:
+            if members and not any(inflight[i] for i in members):
+                for i in members:
+                    inflight[i] += 1
+                queues[0].append([Unit(i, w.width, ctx(i), False) for i in members])
+        cap = min(w.max_batch_tokens, prefill_cap(max(load))) if dec else w.max_batch_tokens
+        while True:
+            ready = [i for i in range(w.streams) if sent_prompt[i] < w.prompt and inflight[i] < D]
+            if not ready:
+                break
+            unit, budget = [], cap
+            for i in ready:
+                n = min(w.prefill_chunk, w.prompt - sent_prompt[i], budget)
+                if n <= 0:
+                    break
+                sent_prompt[i] += n
+                inflight[i] += 1
+                budget -= n
+                unit.append(Unit(i, n, sent_prompt[i], True))
+            queues[0].append(unit)
+        try_start(0)
+
+    def take(k: int) -> list[Unit]:
+        """What stage k runs next, as worker.py chooses it."""
+        q = queues[k]
+        kinds = [not u[0].prefill for u in q]
+        has_prefill = not all(kinds)
+        want = any(kinds) and not (owed[k] and has_prefill)
+        owed[k] = want and has_prefill
+        got, seen, blocked, n, rest = [], set(), set(), 0, []
+        for kind, u in zip(kinds, q):
+            ids = {x.stream for x in u}
+            tokens = sum(x.n_tokens for x in u)
+            if kind != want or ids & (seen | blocked) or (got and n + tokens > w.max_batch_tokens) or (got and k == 0):
+                blocked |= ids
+                rest.append(u)
+                continue
+            got.extend(u)
+            seen |= ids
+            n += tokens
+        queues[k] = rest
+        return got
 
     def try_start(k: int):
         if busy[k] or not queues[k]:
             return
-        q = queues[k]
-        q.sort(key=lambda u: u.prefill)  # decode steps first, then prefill chunks
-        take, n = [], 0
-        while q and (not take or n + q[0].n_tokens <= w.max_batch_tokens) and \
-                (not w.max_batch_streams or len(take) < w.max_batch_streams):
-            u = q.pop(0)
-            take.append(u)
-            n += u.n_tokens
+        take_ = take(k)
+        n = sum(u.n_tokens for u in take_)
         busy[k] = True
-        d = cost.pass_s(k, take)
+        d = cost.pass_s(k, take_)
         for name, v in cost.stages[k].breakdown.items():
             items[k][name] = items[k].get(name, 0.0) + v
         passes[k] += 1
         tok_in[k] += n
         if cores > 0:
             advance(now)
-            running[k] = [d, take, now, now - idle_since[k] < sleep_gap_s]
+            running[k] = [d, take_, now, now - idle_since[k] < sleep_gap_s]
             reschedule()
         else:
             busy_time[k] += d
-            push(now + d, "done", (k, take))
+            push(now + d, "done", (k, take_))
 
-    def finish(k: int, take: list[Unit]):
+    def finish(k: int, take_: list[Unit]):
         busy[k] = False
-        hop = cost.hop_out_s(k, take) if S > 1 else 0.0
-        push(now + hop, "arrive", ((k + 1) % S, take, k == S - 1))
+        hop = cost.hop_out_s(k, take_) if S > 1 else 0.0
+        push(now + hop, "arrive", ((k + 1) % S, take_, k == S - 1))
         try_start(k)
 
-    for i in range(w.streams):
-        queues[0].append(next_unit(i))
-    try_start(0)
+    kick()
     guard = 0
     while ev:
         now, _, kind, data = heapq.heappop(ev)
@@ -155,10 +240,11 @@ def run(cost: CostModel, w: Workload, cores: int = 0, background: float = 0.0, s
             reschedule()
             finish(k, job[1])
         else:
-            k, take, result = data
-            if result:  # back at the entry: next unit of each stream
-                for u in take:
+            k, take_, result = data
+            if result:  # back at the entry: the streams' next units
+                for u in take_:
                     i = u.stream
+                    inflight[i] -= 1
                     if u.prefill:
                         done_prompt[i] += u.n_tokens
                         if done_prompt[i] >= w.prompt:
@@ -168,12 +254,9 @@ def run(cost: CostModel, w: Workload, cores: int = 0, background: float = 0.0, s
                     else:
                         made[i] = min(w.new_tokens, made[i] + w.accept)
                         t_last[i] = now
-                    nu = next_unit(i)
-                    if nu is not None:
-                        queues[0].append(nu)
-                try_start(0)
+                kick()
             else:
-                queues[k].extend(take)
+                queues[k].append(take_)
                 try_start(k)
     makespan = max(t_last) if w.streams else 0.0
 

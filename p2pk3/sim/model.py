@@ -90,6 +90,7 @@ class CostModel:
 
     def __init__(self, cfg: K3Config, stages: list[StageModel], hw: Profile):
         self.cfg, self.stages, self.hw = cfg, stages, hw
+        self._memo: dict[tuple, tuple[float, dict]] = {}
         self.meas = hw.measured
         if self.meas:
             self.batches = np.array(self.meas["batches"], dtype=float)
@@ -110,6 +111,16 @@ class CostModel:
         return float(arr[-1] + slope * (n - b[-1]))
 
     def pass_s(self, k: int, units: list[Unit]) -> float:
+        """Seconds of stage k's pass over `units` (remembered by width, streams and context: a ring with
+        micro-batches prices millions of passes); `stages[k].breakdown` holds its items."""
+        key = (k, sum(u.n_tokens for u in units), len(units), sum(u.context for u in units))
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = (self._pass_s(k, units), dict(self.stages[k].breakdown))
+        self.stages[k].breakdown = dict(hit[1])
+        return hit[0]
+
+    def _pass_s(self, k: int, units: list[Unit]) -> float:
         s = self.stages[k]
         n = sum(u.n_tokens for u in units)
         hw = self.hw

@@ -13,7 +13,8 @@ def table(results: list[SimResult], hw: Profile) -> str:
              f"stages {m['stages']} (tp {m['tp']}), activations {m['act']}, formats "
              f"{', '.join(f'{k}={v}' for k, v in sorted(m['formats'].items())) or 'as shipped'}, accept {m['accept']:g} "
              f"tokens/pass at width {m['width']}, prompt {m['prompt']}, new tokens {m['new_tokens']}, "
-             f"context {m['context']}",
+             f"context {m['context']}; schedule: {m['micro_batches']} decode micro-batches, "
+             f"{m['prefill_depth']} chunks of a prompt in flight",
              f"one stream alone: {results[0].token_ms_1:.2f} ms per pass",
              f"{'streams':>8s} {'per-stream tok/s':>17s} {'aggregate tok/s':>16s} {'TTFT s':>9s}"]
     for r in results:
