@@ -18,7 +18,8 @@ from p2pk3.node.worker import Free, StageWorker, is_decode
 from p2pk3.spec.draft_len import PassCost
 from p2pk3.transport.messages import Result, Segment
 
-from test_ring import Ring, run, topo_even, topo_split
+from ring_helpers import InProcessRing, loopback_topology
+from test_ring import run, topo_split
 
 
 # ------------------------------------------------------------------------------------------ the entry
@@ -191,6 +192,7 @@ def reference(ckpt):
     return Pipeline.load(ckpt, 1, max_sessions=16, max_tokens=4096, block_size=8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n,m,d", [(2, 3, 3), ("split", 2, 4), (3, 1, 1)])
 def test_tokens_equal_one_process_under_every_schedule(ckpt, reference, n, m, d):
     """Greedy, seeded and speculating sessions of different lengths, started at different times, with
@@ -201,10 +203,10 @@ def test_tokens_equal_one_process_under_every_schedule(ckpt, reference, n, m, d)
               SamplingParams(temperature=1.1, top_p=0.9, seed=100 + i, max_tokens=rng.randrange(4, 14)) if i % 3 == 1
               else SamplingParams(max_tokens=12, speculate="ngram", draft_tokens=3) for i in range(9)]
     want = [reference.generate([p], q)[0] for p, q in zip(prompts, params)]
-    topo = topo_split(ckpt) if n == "split" else topo_even(ckpt, n)
+    topo = topo_split(ckpt) if n == "split" else loopback_topology(ckpt, n)
 
     async def go():
-        async with Ring(topo, ckpt, prefill_chunk=8, micro_batches=m, prefill_depth=d) as ring:
+        async with InProcessRing(topo, ckpt, prefill_chunk=8, micro_batches=m, prefill_depth=d) as ring:
             async def one(i):
                 await asyncio.sleep(0.02 * i)
                 c = await ring.client()
@@ -226,6 +228,7 @@ def test_tokens_equal_one_process_under_every_schedule(ckpt, reference, n, m, d)
     assert left == [0] * len(left)
 
 
+@pytest.mark.slow
 def test_cancel_mid_prefill_with_chunks_in_flight_frees_every_stage(ckpt, reference):
     """A client that goes away while several chunks of its prompt are in the ring: the frees travel behind
     them, every stage ends up empty, and the ring serves the next request with the right tokens."""
@@ -233,7 +236,7 @@ def test_cancel_mid_prefill_with_chunks_in_flight_frees_every_stage(ckpt, refere
     want = reference.generate([long_prompt[:30]], SamplingParams(max_tokens=6))[0]
 
     async def go():
-        async with Ring(topo_even(ckpt, 3), ckpt, prefill_chunk=8, prefill_depth=3) as ring:
+        async with InProcessRing(loopback_topology(ckpt, 3), ckpt, prefill_chunk=8, prefill_depth=3) as ring:
             c = await ring.client()
             task = asyncio.create_task(c.generate(long_prompt, SamplingParams(max_tokens=4)))
             e = ring.entry.entry
