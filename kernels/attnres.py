@@ -9,6 +9,7 @@ running output is rescaled by an online softmax (running max and denominator), s
 exactly once and nothing is materialised. fp32 math, output in the prefix dtype. Rows must have a unit stride
 along D (any strides along R and N).
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,8 +18,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _attnres_kernel(bank_ptr, pre_ptr, w_ptr, out_ptr, R, D, sb_r, sb_n, sp_n, so_n, eps,
-                    BLOCK_D: tl.constexpr):
+def _attnres_kernel(bank_ptr, pre_ptr, w_ptr, out_ptr, R, D, sb_r, sb_n, sp_n, so_n, eps, BLOCK_D: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     dm = offs < D
@@ -56,8 +56,21 @@ def _attnres_mix(bank, prefix, w, eps, out=None):
     sb_r, sb_n = (bank.stride(0), bank.stride(1)) if R > 0 else (0, 0)
     BLOCK_D = triton.next_power_of_2(D)
     nw = 4 if BLOCK_D <= 2048 else (8 if BLOCK_D <= 8192 else 16)
-    _attnres_kernel[(N,)](bank_arg, prefix, w, out, R, D, sb_r, sb_n, prefix.stride(0), out.stride(0), float(eps),
-                          BLOCK_D=BLOCK_D, num_warps=nw)
+    _attnres_kernel[(N,)](
+        bank_arg,
+        prefix,
+        w,
+        out,
+        R,
+        D,
+        sb_r,
+        sb_n,
+        prefix.stride(0),
+        out.stride(0),
+        float(eps),
+        BLOCK_D=BLOCK_D,
+        num_warps=nw,
+    )
     return out
 
 

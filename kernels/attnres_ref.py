@@ -4,6 +4,7 @@ out[n] = sum_j p_j[n] * V_j[n],  p[n] = softmax_j( rsqrt(mean_d V_j[n]^2 + eps) 
 over the candidates V = [bank_0, ..., bank_{R-1}, prefix]. Scoring and mixing in fp32, output in the
 dtype of `prefix`.
 """
+
 from __future__ import annotations
 
 import torch

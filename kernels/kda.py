@@ -13,6 +13,7 @@ one state (read once, written once); q, k, the gate and beta are recomputed per 
   Linear's unbounded softplus gate is as safe as K3's bounded one) but sequential in T. `chunk_size` is accepted
   for signature compatibility and ignored.
 """
+
 from __future__ import annotations
 
 
@@ -63,11 +64,41 @@ def _step(S, q, k, a, v, b, dtb, A, scale, lower_bound, HAS_LB: tl.constexpr):
 
 
 @triton.jit
-def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, st_ptr, row_ptr, o_ptr,
-                       sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, sa_b, sa_h, sb_b, sb_h,
-                       ss_s, ss_h, ss_k, ss_v, so_b, so_h,
-                       K, V, scale, lower_bound,
-                       HAS_LB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+def _kda_decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    a_ptr,
+    b_ptr,
+    alog_ptr,
+    dtb_ptr,
+    st_ptr,
+    row_ptr,
+    o_ptr,
+    sq_b,
+    sq_h,
+    sk_b,
+    sk_h,
+    sv_b,
+    sv_h,
+    sa_b,
+    sa_h,
+    sb_b,
+    sb_h,
+    ss_s,
+    ss_h,
+    ss_k,
+    ss_v,
+    so_b,
+    so_h,
+    K,
+    V,
+    scale,
+    lower_bound,
+    HAS_LB: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+):
     ib = tl.program_id(0).to(tl.int64)
     ih = tl.program_id(1)
     iv = tl.program_id(2)
@@ -75,9 +106,19 @@ def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, st_
     km = offs_k < K
     offs_v = iv * BV + tl.arange(0, BV)
     vm = offs_v < V
-    q, k, a, v, b = _load_tok(q_ptr + ib * sq_b + ih * sq_h, k_ptr + ib * sk_b + ih * sk_h,
-                              a_ptr + ib * sa_b + ih * sa_h, v_ptr + ib * sv_b + ih * sv_h,
-                              b_ptr + ib * sb_b + ih * sb_h, offs_k, km, offs_v, vm, 0, 1)
+    q, k, a, v, b = _load_tok(
+        q_ptr + ib * sq_b + ih * sq_h,
+        k_ptr + ib * sk_b + ih * sk_h,
+        a_ptr + ib * sa_b + ih * sa_h,
+        v_ptr + ib * sv_b + ih * sv_h,
+        b_ptr + ib * sb_b + ih * sb_h,
+        offs_k,
+        km,
+        offs_v,
+        vm,
+        0,
+        1,
+    )
     dtb = tl.load(dtb_ptr + ih * K + offs_k, mask=km, other=0.0).to(tl.float32)
     A = tl.exp(tl.load(alog_ptr + ih).to(tl.float32))
     row = tl.load(row_ptr + ib).to(tl.int64)
@@ -90,11 +131,42 @@ def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, st_
 
 
 @triton.jit
-def _kda_prefill_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, st_ptr, row_ptr, cu_ptr, o_ptr,
-                        sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sa_t, sa_h, sb_t, sb_h,
-                        ss_s, ss_h, ss_k, ss_v, so_t, so_h,
-                        K, V, scale, lower_bound,
-                        HAS_LB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+def _kda_prefill_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    a_ptr,
+    b_ptr,
+    alog_ptr,
+    dtb_ptr,
+    st_ptr,
+    row_ptr,
+    cu_ptr,
+    o_ptr,
+    sq_t,
+    sq_h,
+    sk_t,
+    sk_h,
+    sv_t,
+    sv_h,
+    sa_t,
+    sa_h,
+    sb_t,
+    sb_h,
+    ss_s,
+    ss_h,
+    ss_k,
+    ss_v,
+    so_t,
+    so_h,
+    K,
+    V,
+    scale,
+    lower_bound,
+    HAS_LB: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+):
     iseq = tl.program_id(0)
     ih = tl.program_id(1)
     iv = tl.program_id(2)
@@ -118,13 +190,35 @@ def _kda_prefill_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, st
     v_h = v_ptr + ih * sv_h
     b_h = b_ptr + ih * sb_h
     o_h = o_ptr + ih * so_h
-    q, k, a, v, b = _load_tok(q_h + t0 * sq_t, k_h + t0 * sk_t, a_h + t0 * sa_t, v_h + t0 * sv_t, b_h + t0 * sb_t,
-                              offs_k, km, offs_v, vm, t0, t1)
+    q, k, a, v, b = _load_tok(
+        q_h + t0 * sq_t,
+        k_h + t0 * sk_t,
+        a_h + t0 * sa_t,
+        v_h + t0 * sv_t,
+        b_h + t0 * sb_t,
+        offs_k,
+        km,
+        offs_v,
+        vm,
+        t0,
+        t1,
+    )
     for t in range(t0, t1):
         # prefetch token t+1 (masked off past the end) before the dependent math of token t
         tn = t + 1
-        nq, nk, na, nv, nb = _load_tok(q_h + tn * sq_t, k_h + tn * sk_t, a_h + tn * sa_t, v_h + tn * sv_t,
-                                       b_h + tn * sb_t, offs_k, km, offs_v, vm, tn, t1)
+        nq, nk, na, nv, nb = _load_tok(
+            q_h + tn * sq_t,
+            k_h + tn * sk_t,
+            a_h + tn * sa_t,
+            v_h + tn * sv_t,
+            b_h + tn * sb_t,
+            offs_k,
+            km,
+            offs_v,
+            vm,
+            tn,
+            t1,
+        )
         S, o = _step(S, q, k, a, v, b, dtb, A, scale, lower_bound, HAS_LB)
         tl.store(o_h + t * so_t + offs_v, o, mask=vm)
         q, k, a, v, b = nq, nk, na, nv, nb
@@ -166,11 +260,38 @@ def _kda_decode(q, k, v, a, b, A_log, dt_bias, state, rows, scale, lower_bound, 
         return out
     BK, BV, nw = _cfg(K, V, q.device)
     _kda_decode_kernel[(B, H, triton.cdiv(V, BV))](
-        q, k, v, a, b, alog, dtb, state, rows, out,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), a.stride(1),
-        b.stride(0), b.stride(1), *state.stride(), out.stride(0), out.stride(1),
-        K, V, float(scale), float(lower_bound if lower_bound is not None else 0.0),
-        HAS_LB=lower_bound is not None, BK=BK, BV=BV, num_warps=nw)
+        q,
+        k,
+        v,
+        a,
+        b,
+        alog,
+        dtb,
+        state,
+        rows,
+        out,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        *state.stride(),
+        out.stride(0),
+        out.stride(1),
+        K,
+        V,
+        float(scale),
+        float(lower_bound if lower_bound is not None else 0.0),
+        HAS_LB=lower_bound is not None,
+        BK=BK,
+        BV=BV,
+        num_warps=nw,
+    )
     return out
 
 
@@ -184,11 +305,39 @@ def _kda_prefill(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, rows, scale, 
         return out
     BK, BV, nw = _cfg(K, V, q.device)
     _kda_prefill_kernel[(nseq, H, triton.cdiv(V, BV))](
-        q, k, v, a, b, alog, dtb, state, rows, cu_seqlens, out,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), a.stride(1),
-        b.stride(0), b.stride(1), *state.stride(), out.stride(0), out.stride(1),
-        K, V, float(scale), float(lower_bound if lower_bound is not None else 0.0),
-        HAS_LB=lower_bound is not None, BK=BK, BV=BV, num_warps=nw)
+        q,
+        k,
+        v,
+        a,
+        b,
+        alog,
+        dtb,
+        state,
+        rows,
+        cu_seqlens,
+        out,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        *state.stride(),
+        out.stride(0),
+        out.stride(1),
+        K,
+        V,
+        float(scale),
+        float(lower_bound if lower_bound is not None else 0.0),
+        HAS_LB=lower_bound is not None,
+        BK=BK,
+        BV=BV,
+        num_warps=nw,
+    )
     return out
 
 
@@ -201,8 +350,21 @@ def kda_decode(q, k, v, a, b, A_log, dt_bias, state, rows, scale: float, lower_b
     return _kda_decode(q, k, v, a, b, A_log, dt_bias, state, rows, scale, lower_bound)
 
 
-def kda_prefill(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, rows, scale: float,
-                lower_bound: float | None, chunk_size: int = 64) -> torch.Tensor:
+def kda_prefill(
+    q,
+    k,
+    v,
+    a,
+    b,
+    A_log,
+    dt_bias,
+    state,
+    cu_seqlens,
+    rows,
+    scale: float,
+    lower_bound: float | None,
+    chunk_size: int = 64,
+) -> torch.Tensor:
     """Packed variable-length prefill (exact token recurrence; `chunk_size` is ignored).
 
     q, k, a [N, H, K]; v [N, H, V]; b [N, H]; cu_seqlens [B+1] (token offsets); rows [B].

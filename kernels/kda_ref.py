@@ -5,6 +5,7 @@ Inputs are the raw projections; the ops apply the pieces K3 runs "in kernel": L2
 softplus gate when `lower_bound` is None), sigmoid(beta), scale. States are fp32 [S, H, K, V]
 (key-major, fla's default layout) in a pool indexed by `rows`, updated in place.
 """
+
 from __future__ import annotations
 
 import torch
@@ -64,8 +65,12 @@ def _chunk_one(q, k, v, g, beta, S, chunk: int):
         # calls whose backward is ~2.5x slower on CPU)
         A = (kc.unsqueeze(2) * kc.unsqueeze(1) * dk).sum(-1) * bc.unsqueeze(-1)
         # (I + A)^-1 by forward substitution
-        Tm = torch.linalg.solve_triangular(torch.eye(C, device=q.device) + A, torch.eye(C, device=q.device).expand(H, C, C),
-                                           upper=False, unitriangular=True)
+        Tm = torch.linalg.solve_triangular(
+            torch.eye(C, device=q.device) + A,
+            torch.eye(C, device=q.device).expand(H, C, C),
+            upper=False,
+            unitriangular=True,
+        )
         w = Tm @ (bc.unsqueeze(-1) * (G.exp() * kc))  # [H,C,K]
         u = Tm @ (bc.unsqueeze(-1) * vc)  # [H,C,V]
         v_new = u - w @ S  # [H,C,V]
@@ -82,8 +87,21 @@ CHUNK = 64  # default chunk of the prefill recurrence; any size gives the same r
 FOLD_ELEMS = 1 << 20
 
 
-def kda_prefill(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, rows, scale: float,
-                lower_bound: float | None, chunk_size: int | None = None) -> torch.Tensor:
+def kda_prefill(
+    q,
+    k,
+    v,
+    a,
+    b,
+    A_log,
+    dt_bias,
+    state,
+    cu_seqlens,
+    rows,
+    scale: float,
+    lower_bound: float | None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
     """Chunked prefill for packed variable-length sequences.
 
     q, k, a [N, H, K]; v [N, H, V]; b [N, H]; cu_seqlens [B+1] (token offsets); rows [B].
@@ -108,14 +126,16 @@ def kda_prefill(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, rows, scale: f
     H = q.shape[1]
     K = q.shape[2]
     n_max = max(1, FOLD_ELEMS // (H * min(chunk_size, max(by_len, default=1)) ** 2 * K))
-    groups = [(L, seqs[j:j + n_max]) for L, seqs in by_len.items() for j in range(0, len(seqs), n_max)]
+    groups = [(L, seqs[j : j + n_max]) for L, seqs in by_len.items() for j in range(0, len(seqs), n_max)]
     for L, seqs in groups:
+
         def fold(x, seqs=seqs, L=L):  # [N, H, *] -> [L, n*H, *]
-            return torch.stack([x[cu[i]:cu[i] + L] for i in seqs], 1).flatten(1, 2)
+            return torch.stack([x[cu[i] : cu[i] + L] for i in seqs], 1).flatten(1, 2)
+
         S0 = torch.cat([state[rws[i]] for i in seqs], 0)
         oo, S = _chunk_one(fold(qn), fold(kn), fold(vf), fold(g), fold(beta), S0.float().clone(), chunk_size)
         oo = oo.unflatten(1, (len(seqs), H))
         for j, i in enumerate(seqs):
-            o[cu[i]:cu[i] + L] = oo[:, j]
-            state[rws[i]] = S[j * H:(j + 1) * H]
+            o[cu[i] : cu[i] + L] = oo[:, j]
+            state[rws[i]] = S[j * H : (j + 1) * H]
     return o

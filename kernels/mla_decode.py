@@ -15,6 +15,7 @@ The number of splits depends only on shapes (block_table width, batch, heads), n
 host sync happens and the launch can be captured in a CUDA graph. Output z [B, H, R] fp32.
 Matmuls run in the cache dtype (q is rounded to it when the cache is 16-bit) with fp32 accumulation.
 """
+
 from __future__ import annotations
 
 
@@ -27,12 +28,38 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _mla_split_kernel(ql_ptr, qp_ptr, kv_ptr, bt_ptr, sl_ptr, po_ptr, pl_ptr,
-                      sql_b, sql_h, sqp_b, sqp_h, skv_blk, skv_tok, sbt_b,
-                      spo_b, spo_h, spo_s, spl_b, spl_h,
-                      H, R, P, BLOCK_SIZE, SPLIT_LEN, sm_scale_log2,
-                      BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr,
-                      DOT_F32: tl.constexpr):
+def _mla_split_kernel(
+    ql_ptr,
+    qp_ptr,
+    kv_ptr,
+    bt_ptr,
+    sl_ptr,
+    po_ptr,
+    pl_ptr,
+    sql_b,
+    sql_h,
+    sqp_b,
+    sqp_h,
+    skv_blk,
+    skv_tok,
+    sbt_b,
+    spo_b,
+    spo_h,
+    spo_s,
+    spl_b,
+    spl_h,
+    H,
+    R,
+    P,
+    BLOCK_SIZE,
+    SPLIT_LEN,
+    sm_scale_log2,
+    BLOCK_H: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BR: tl.constexpr,
+    BP: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
     ib = tl.program_id(0).to(tl.int64)
     ig = tl.program_id(1)
     isp = tl.program_id(2)
@@ -46,10 +73,12 @@ def _mla_split_kernel(ql_ptr, qp_ptr, kv_ptr, bt_ptr, sl_ptr, po_ptr, pl_ptr,
     offs_p = tl.arange(0, BP)
     pm = offs_p < P
     kv_dt = kv_ptr.dtype.element_ty
-    ql = tl.load(ql_ptr + ib * sql_b + offs_h[:, None] * sql_h + offs_r[None, :], mask=hm[:, None] & rm[None, :],
-                 other=0.0)
-    qp = tl.load(qp_ptr + ib * sqp_b + offs_h[:, None] * sqp_h + offs_p[None, :], mask=hm[:, None] & pm[None, :],
-                 other=0.0)
+    ql = tl.load(
+        ql_ptr + ib * sql_b + offs_h[:, None] * sql_h + offs_r[None, :], mask=hm[:, None] & rm[None, :], other=0.0
+    )
+    qp = tl.load(
+        qp_ptr + ib * sqp_b + offs_h[:, None] * sqp_h + offs_p[None, :], mask=hm[:, None] & pm[None, :], other=0.0
+    )
     if DOT_F32:  # interpreter: no bf16 tl.dot (round to the cache dtype, multiply in fp32)
         ql = ql.to(kv_dt).to(tl.float32)
         qp = qp.to(kv_dt).to(tl.float32)
@@ -84,14 +113,16 @@ def _mla_split_kernel(ql_ptr, qp_ptr, kv_ptr, bt_ptr, sl_ptr, po_ptr, pl_ptr,
     has = l_i > 0
     z = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    tl.store(po_ptr + ib * spo_b + offs_h[:, None] * spo_h + isp * spo_s + offs_r[None, :], z,
-             mask=hm[:, None] & rm[None, :])
+    tl.store(
+        po_ptr + ib * spo_b + offs_h[:, None] * spo_h + isp * spo_s + offs_r[None, :], z, mask=hm[:, None] & rm[None, :]
+    )
     tl.store(pl_ptr + ib * spl_b + offs_h * spl_h + isp, lse, mask=hm)
 
 
 @triton.jit
-def _mla_reduce_kernel(po_ptr, pl_ptr, out_ptr, spo_b, spo_h, spo_s, spl_b, spl_h, so_b, so_h,
-                       R, NUM_SPLITS, BR: tl.constexpr):
+def _mla_reduce_kernel(
+    po_ptr, pl_ptr, out_ptr, spo_b, spo_h, spo_s, spl_b, spl_h, so_b, so_h, R, NUM_SPLITS, BR: tl.constexpr
+):
     ib = tl.program_id(0).to(tl.int64)
     ih = tl.program_id(1)
     offs_r = tl.arange(0, BR)
@@ -153,18 +184,66 @@ def _mla_decode(q_lat, q_pe, kv_cache, block_table, seq_lens, scale, out=None, n
     po = alloc((B, H, S, R), float("nan"), dtype=torch.float32, device=dev)
     pl = alloc((B, H, S), float("nan"), dtype=torch.float32, device=dev)
     _mla_split_kernel[(B, n_groups, S)](
-        q_lat, q_pe, kv_cache, block_table, seq_lens, po, pl,
-        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0), kv_cache.stride(1),
-        block_table.stride(0), po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
-        H, R, P, bs, split_len, float(scale) * LOG2E,
-        BLOCK_H=BLOCK_H, BLOCK_T=BLOCK_T, BR=BR, BP=BP, DOT_F32=interp, num_warps=4, num_stages=2)
-    _mla_reduce_kernel[(B, H)](po, pl, out, po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
-                               out.stride(0), out.stride(1), R, S, BR=BR, num_warps=4)
+        q_lat,
+        q_pe,
+        kv_cache,
+        block_table,
+        seq_lens,
+        po,
+        pl,
+        q_lat.stride(0),
+        q_lat.stride(1),
+        q_pe.stride(0),
+        q_pe.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        block_table.stride(0),
+        po.stride(0),
+        po.stride(1),
+        po.stride(2),
+        pl.stride(0),
+        pl.stride(1),
+        H,
+        R,
+        P,
+        bs,
+        split_len,
+        float(scale) * LOG2E,
+        BLOCK_H=BLOCK_H,
+        BLOCK_T=BLOCK_T,
+        BR=BR,
+        BP=BP,
+        DOT_F32=interp,
+        num_warps=4,
+        num_stages=2,
+    )
+    _mla_reduce_kernel[(B, H)](
+        po,
+        pl,
+        out,
+        po.stride(0),
+        po.stride(1),
+        po.stride(2),
+        pl.stride(0),
+        pl.stride(1),
+        out.stride(0),
+        out.stride(1),
+        R,
+        S,
+        BR=BR,
+        num_warps=4,
+    )
     return out
 
 
-def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-               seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def mla_decode(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """q_lat [B, H, R]; q_pe [B, H, P]; kv_cache [num_blocks, block_size, R + P];
     block_table [B, max_blocks] int (block ids of each sequence in order); seq_lens [B] (tokens to attend,
     the current one included). Returns z [B, H, R] fp32."""

@@ -6,13 +6,20 @@ latent width R; the caller applies W_UV, the gate and o_proj). No positional enc
 All sequences at once over the block table's width, the positions beyond each length masked (a fixed
 handful of ops whatever the batch, no host sync).
 """
+
 from __future__ import annotations
 
 import torch
 
 
-def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-               seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def mla_decode(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """q_lat [B, H, R]; q_pe [B, H, P]; kv_cache [num_blocks, block_size, R + P];
     block_table [B, max_blocks] int (block ids of each sequence in order); seq_lens [B] (tokens to attend,
     the current one included). Returns z [B, H, R] fp32."""

@@ -18,6 +18,7 @@ Split-K (GPU, few output tiles: decode) writes fp32 partials [S, M, N] that a fi
 reduces (deterministic, no atomics). No host sync: grids come from shapes only (CUDA-graph safe).
 Block sizes are untuned (no GPU when written); `split_k` can be forced for tests.
 """
+
 from __future__ import annotations
 
 import os
@@ -44,10 +45,30 @@ def _e4m3_to_f32(b):
 
 
 @triton.jit
-def _mx_linear_kernel(x_ptr, stride_xm, stride_xk, w_ptr, stride_wn, stride_wk, s_ptr, stride_sn, stride_sk,
-                      y_ptr, stride_ys, stride_ym, M, N, K, K_SPLIT,
-                      FP4: tl.constexpr, F32: tl.constexpr, DOT_F32: tl.constexpr,
-                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _mx_linear_kernel(
+    x_ptr,
+    stride_xm,
+    stride_xk,
+    w_ptr,
+    stride_wn,
+    stride_wk,
+    s_ptr,
+    stride_sn,
+    stride_sk,
+    y_ptr,
+    stride_ys,
+    stride_ym,
+    M,
+    N,
+    K,
+    K_SPLIT,
+    FP4: tl.constexpr,
+    F32: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -63,8 +84,11 @@ def _mx_linear_kernel(x_ptr, stride_xm, stride_xk, w_ptr, stride_wn, stride_wk, 
     x_rows = x_ptr + offs_m.to(tl.int64) * stride_xm
     for k0 in range(k_lo, k_hi, BK):
         ks = k0 // 32 + offs_ks
-        ws = tl.load(s_ptr + offs_n[:, None].to(tl.int64) * stride_sn + ks[None, :] * stride_sk,
-                     mask=n_mask[:, None] & (ks < G)[None, :], other=127)  # [BN, BK/32]
+        ws = tl.load(
+            s_ptr + offs_n[:, None].to(tl.int64) * stride_sn + ks[None, :] * stride_sk,
+            mask=n_mask[:, None] & (ks < G)[None, :],
+            other=127,
+        )  # [BN, BK/32]
         sf = _e8m0_to_f32(tl.trans(ws).to(tl.int32))  # [BK/32, BN]
         offs_k = k0 + tl.arange(0, BK)
         k_mask = offs_k < k_hi
@@ -73,8 +97,11 @@ def _mx_linear_kernel(x_ptr, stride_xm, stride_xk, w_ptr, stride_wn, stride_wk, 
             x = x.to(tl.float32)
         if FP4:
             kp = k0 // 2 + tl.arange(0, BK // 2)
-            wq = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + kp[:, None] * stride_wk,
-                         mask=(kp * 2 < k_hi)[:, None] & n_mask[None, :], other=0)  # [BK/2, BN]
+            wq = tl.load(
+                w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + kp[:, None] * stride_wk,
+                mask=(kp * 2 < k_hi)[:, None] & n_mask[None, :],
+                other=0,
+            )  # [BK/2, BN]
             sfh = tl.reshape(tl.broadcast_to(sf[:, None, :], (BK // 32, 16, BN)), (BK // 2, BN))
             wi = wq.to(tl.int32)
             # E2M1 placed as 2^-126 * value (see mxfp4_moe._e2m1_bits), times 2^126, times the block scale
@@ -93,8 +120,11 @@ def _mx_linear_kernel(x_ptr, stride_xm, stride_xk, w_ptr, stride_wn, stride_wk, 
                 acc = tl.dot(xe, w_lo.to(tl.bfloat16), acc)
                 acc = tl.dot(xo, w_hi.to(tl.bfloat16), acc)
         else:
-            wb = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk,
-                         mask=k_mask[:, None] & n_mask[None, :], other=0)  # [BK, BN]
+            wb = tl.load(
+                w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk,
+                mask=k_mask[:, None] & n_mask[None, :],
+                other=0,
+            )  # [BK, BN]
             sfull = tl.reshape(tl.broadcast_to(sf[:, None, :], (BK // 32, 32, BN)), (BK, BN))
             w = _e4m3_to_f32(wb.to(tl.int32)) * sfull
             if F32:
@@ -128,8 +158,9 @@ def _pick_split(M, N, K, BM, BN, BK, device) -> int:
     return max(1, min(triton.cdiv(2 * sms, tiles), triton.cdiv(K, BK * 4), 16))
 
 
-def mx_linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, fmt: str, *,
-              split_k: int | None = None) -> torch.Tensor:
+def mx_linear(
+    x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, fmt: str, *, split_k: int | None = None
+) -> torch.Tensor:
     """x [M, K] (bf16 / fp16 / fp32) times the MX weight [N, K] transposed -> y [M, N] in x.dtype."""
     M, N, K = check_args(x, data, scale, fmt)
     dev = x.device
@@ -148,10 +179,32 @@ def mx_linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, fmt: str
         out = alloc((S, M, N), float("nan"), dtype=torch.float32, device=dev)
     F32 = x.dtype != torch.bfloat16
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN), S)
-    _mx_linear_kernel[grid](x, x.stride(0), x.stride(1), data, data.stride(0), data.stride(1),
-                            scale, scale.stride(0), scale.stride(1), out, out.stride(0), out.stride(1),
-                            M, N, K, k_split, FP4=fmt == "mxfp4", F32=F32, DOT_F32=interpreting(),
-                            BM=BM, BN=BN, BK=BK, num_warps=nw, num_stages=ns)
+    _mx_linear_kernel[grid](
+        x,
+        x.stride(0),
+        x.stride(1),
+        data,
+        data.stride(0),
+        data.stride(1),
+        scale,
+        scale.stride(0),
+        scale.stride(1),
+        out,
+        out.stride(0),
+        out.stride(1),
+        M,
+        N,
+        K,
+        k_split,
+        FP4=fmt == "mxfp4",
+        F32=F32,
+        DOT_F32=interpreting(),
+        BM=BM,
+        BN=BN,
+        BK=BK,
+        num_warps=nw,
+        num_stages=ns,
+    )
     if S == 1:
         return out[0]
     return out.sum(0).to(x.dtype)

@@ -8,6 +8,7 @@ Kp is K rounded up to 32; the padded columns are ignored (x has K columns). fp32
 dequantized exactly to fp32 and the activations upcast, so the only rounding is the fp32 accumulation and
 the final cast to x.dtype (the output dtype).
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,16 +31,19 @@ def check_args(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, fmt: st
     if fmt not in FORMATS:
         raise ValueError(f"mx_linear: format must be one of {FORMATS}, got {fmt!r}")
     if x.dim() != 2 or data.dim() != 2 or scale.dim() != 2:
-        raise ValueError(f"mx_linear: x [M, K], data and scale 2-D, got {tuple(x.shape)}, {tuple(data.shape)}, "
-                         f"{tuple(scale.shape)}")
+        raise ValueError(
+            f"mx_linear: x [M, K], data and scale 2-D, got {tuple(x.shape)}, {tuple(data.shape)}, {tuple(scale.shape)}"
+        )
     if data.dtype != torch.uint8 or scale.dtype != torch.uint8:
         raise ValueError(f"mx_linear: data and scale must be uint8, got {data.dtype} and {scale.dtype}")
     M, K = x.shape
     N, G = scale.shape
     per_byte = 1 if fmt == "mxfp8" else 2
     if data.shape != (N, G * 32 // per_byte) or -(-K // 32) != G:
-        raise ValueError(f"mx_linear {fmt}: x {tuple(x.shape)} needs scale [N, {-(-K // 32)}] and data "
-                         f"[N, {-(-K // 32) * 32 // per_byte}], got scale {tuple(scale.shape)}, data {tuple(data.shape)}")
+        raise ValueError(
+            f"mx_linear {fmt}: x {tuple(x.shape)} needs scale [N, {-(-K // 32)}] and data "
+            f"[N, {-(-K // 32) * 32 // per_byte}], got scale {tuple(scale.shape)}, data {tuple(data.shape)}"
+        )
     return M, N, K
 
 

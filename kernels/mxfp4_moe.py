@@ -37,6 +37,7 @@ weight nibble for dot_scaled and dequant_f16, ~16 for dequant): tools/bench_kern
 In modes 0-3 activations are rounded to bf16 (fp16 in mode 3) before the matmuls (the model runs bf16);
 accumulation is fp32.
 """
+
 from __future__ import annotations
 
 import os
@@ -127,10 +128,26 @@ def _quant_mxfp8(x, BM: tl.constexpr, BK: tl.constexpr):
 # one [BM, K] x [K, BN] product against a packed MXFP4 weight slab
 # --------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _mx_matmul(acc, x_rows, stride_xk, m_mask, K, w_base, s_base, offs_n, n_mask,
-               stride_wn, stride_wk, stride_sn, stride_sk,
-               MODE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-               DOT_F32: tl.constexpr):
+def _mx_matmul(
+    acc,
+    x_rows,
+    stride_xk,
+    m_mask,
+    K,
+    w_base,
+    s_base,
+    offs_n,
+    n_mask,
+    stride_wn,
+    stride_wk,
+    stride_sn,
+    stride_sk,
+    MODE: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
     """acc[m, n] += sum_k x[m, k] * W[n, k]; x row m starts at pointer x_rows[m]; W packed [N, K/2] at w_base
     with scales [N, K/32] at s_base (strides in elements of u8)."""
     offs_kp = tl.arange(0, BK // 2)
@@ -138,8 +155,11 @@ def _mx_matmul(acc, x_rows, stride_xk, m_mask, K, w_base, s_base, offs_n, n_mask
     for k0 in range(0, K, BK):
         kp = k0 // 2 + offs_kp  # packed byte index along K
         kp_mask = kp < K // 2
-        wq = tl.load(w_base + offs_n[None, :] * stride_wn + kp[:, None] * stride_wk,
-                     mask=kp_mask[:, None] & n_mask[None, :], other=0)  # [BK/2, BN] u8
+        wq = tl.load(
+            w_base + offs_n[None, :] * stride_wn + kp[:, None] * stride_wk,
+            mask=kp_mask[:, None] & n_mask[None, :],
+            other=0,
+        )  # [BK/2, BN] u8
         if MODE == 3:  # BK == 32: fp16 bit-placement dequant, the E8M0 scale applied to the partial product
             sc = tl.load(s_base + offs_n * stride_sn + (k0 // 32) * stride_sk, mask=n_mask, other=127)
             sf = _e8m0_to_f32(sc.to(tl.int32))  # [BN]
@@ -147,8 +167,9 @@ def _mx_matmul(acc, x_rows, stride_xk, m_mask, K, w_base, s_base, offs_n, n_mask
             w_lo = (((wi & 7) << 9) | ((wi & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True) * 16384.0
             w_hi = (((wi & 0x70) << 5) | ((wi & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True) * 16384.0
             offs_k = k0 + tl.arange(0, BK)
-            x = tl.load(x_rows[:, None] + offs_k[None, :] * stride_xk,
-                        mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0).to(tl.float16)
+            x = tl.load(
+                x_rows[:, None] + offs_k[None, :] * stride_xk, mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0
+            ).to(tl.float16)
             xe, xo = tl.split(tl.reshape(x, (BM, BK // 2, 2)))
             if DOT_F32:
                 part = tl.dot(xe.to(tl.float32), w_lo.to(tl.float32))
@@ -159,8 +180,11 @@ def _mx_matmul(acc, x_rows, stride_xk, m_mask, K, w_base, s_base, offs_n, n_mask
             acc += part * sf[None, :]
         elif MODE == 1 or MODE == 4:
             ks = k0 // 32 + offs_ks
-            ws = tl.load(s_base + offs_n[:, None] * stride_sn + ks[None, :] * stride_sk,
-                         mask=n_mask[:, None] & (ks < K // 32)[None, :], other=127)  # [BN, BK/32]
+            ws = tl.load(
+                s_base + offs_n[:, None] * stride_sn + ks[None, :] * stride_sk,
+                mask=n_mask[:, None] & (ks < K // 32)[None, :],
+                other=127,
+            )  # [BN, BK/32]
             # E8M0 -> fp32 2^(s-127) (0 -> 2^-127, 255 -> NaN), spread over the 16 packed bytes (32 values) each
             # scale covers: [BK/2, BN]
             sf = _e8m0_to_f32(tl.trans(ws).to(tl.int32))
@@ -170,8 +194,9 @@ def _mx_matmul(acc, x_rows, stride_xk, m_mask, K, w_base, s_base, offs_n, n_mask
             w_lo = (_e2m1_bits(wi) * 8.507059173023462e37) * sf
             w_hi = (_e2m1_bits(wi >> 4) * 8.507059173023462e37) * sf
             offs_k = k0 + tl.arange(0, BK)
-            x = tl.load(x_rows[:, None] + offs_k[None, :] * stride_xk,
-                        mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0).to(tl.float32)
+            x = tl.load(
+                x_rows[:, None] + offs_k[None, :] * stride_xk, mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0
+            ).to(tl.float32)
             if MODE == 1:
                 w_lo, w_hi, x = w_lo.to(tl.bfloat16), w_hi.to(tl.bfloat16), x.to(tl.bfloat16)
             xe, xo = tl.split(tl.reshape(x, (BM, BK // 2, 2)))  # even / odd input columns
@@ -186,18 +211,23 @@ def _mx_matmul(acc, x_rows, stride_xk, m_mask, K, w_base, s_base, offs_n, n_mask
                 acc = tl.dot(xo, w_hi, acc)
         else:
             offs_k = k0 + tl.arange(0, BK)
-            x = tl.load(x_rows[:, None] + offs_k[None, :] * stride_xk,
-                        mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+            x = tl.load(
+                x_rows[:, None] + offs_k[None, :] * stride_xk, mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0
+            )
             ks = k0 // 32 + offs_ks
-            ws = tl.load(s_base + offs_n[:, None] * stride_sn + ks[None, :] * stride_sk,
-                         mask=n_mask[:, None] & (ks < K // 32)[None, :], other=127)  # [BN, BK/32]
+            ws = tl.load(
+                s_base + offs_n[:, None] * stride_sn + ks[None, :] * stride_sk,
+                mask=n_mask[:, None] & (ks < K // 32)[None, :],
+                other=127,
+            )  # [BN, BK/32]
             if MODE == 0:
                 acc = tl.dot_scaled(x.to(tl.bfloat16), None, "bf16", wq, ws, "e2m1", acc)
             else:
                 xq, xs = _quant_mxfp8(x.to(tl.bfloat16), BM, BK)
                 wi = wq.to(tl.int32)
-                w8 = tl.reshape(tl.permute(tl.join(_e2m1_to_e4m3(wi & 15), _e2m1_to_e4m3(wi >> 4)), (0, 2, 1)),
-                                (BK, BN))
+                w8 = tl.reshape(
+                    tl.permute(tl.join(_e2m1_to_e4m3(wi & 15), _e2m1_to_e4m3(wi >> 4)), (0, 2, 1)), (BK, BN)
+                )
                 acc = tl.dot_scaled(xq, xs, "e4m3", w8, ws, "e4m3", acc)
     return acc
 
@@ -206,15 +236,44 @@ def _mx_matmul(acc, x_rows, stride_xk, m_mask, K, w_base, s_base, offs_n, n_mask
 # kernels
 # --------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _moe_gate_up_kernel(z_ptr, stride_zn, stride_zk,
-                        w1_ptr, s1_ptr, w3_ptr, s3_ptr,
-                        sw1_e, sw1_n, sw1_k, ss1_e, ss1_n, ss1_k,
-                        sw3_e, sw3_n, sw3_k, ss3_e, ss3_n, ss3_k,
-                        h_ptr, stride_hm,
-                        pairs_ptr, blk_expert_ptr, blk_start_ptr, blk_rows_ptr,
-                        TOPK, I, W, beta1, beta2,
-                        ACT: tl.constexpr, MODE: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
+def _moe_gate_up_kernel(
+    z_ptr,
+    stride_zn,
+    stride_zk,
+    w1_ptr,
+    s1_ptr,
+    w3_ptr,
+    s3_ptr,
+    sw1_e,
+    sw1_n,
+    sw1_k,
+    ss1_e,
+    ss1_n,
+    ss1_k,
+    sw3_e,
+    sw3_n,
+    sw3_k,
+    ss3_e,
+    ss3_n,
+    ss3_k,
+    h_ptr,
+    stride_hm,
+    pairs_ptr,
+    blk_expert_ptr,
+    blk_start_ptr,
+    blk_rows_ptr,
+    TOPK,
+    I,
+    W,
+    beta1,
+    beta2,
+    ACT: tl.constexpr,
+    MODE: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(blk_expert_ptr + pid_b)
@@ -232,24 +291,80 @@ def _moe_gate_up_kernel(z_ptr, stride_zn, stride_zk,
     n_mask = offs_n < I
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    acc_g = _mx_matmul(acc_g, x_rows, stride_zk, m_mask, W, w1_ptr + e * sw1_e, s1_ptr + e * ss1_e, offs_n, n_mask,
-                       sw1_n, sw1_k, ss1_n, ss1_k, MODE, BM, BN, BK, DOT_F32)
-    acc_u = _mx_matmul(acc_u, x_rows, stride_zk, m_mask, W, w3_ptr + e * sw3_e, s3_ptr + e * ss3_e, offs_n, n_mask,
-                       sw3_n, sw3_k, ss3_n, ss3_k, MODE, BM, BN, BK, DOT_F32)
+    acc_g = _mx_matmul(
+        acc_g,
+        x_rows,
+        stride_zk,
+        m_mask,
+        W,
+        w1_ptr + e * sw1_e,
+        s1_ptr + e * ss1_e,
+        offs_n,
+        n_mask,
+        sw1_n,
+        sw1_k,
+        ss1_n,
+        ss1_k,
+        MODE,
+        BM,
+        BN,
+        BK,
+        DOT_F32,
+    )
+    acc_u = _mx_matmul(
+        acc_u,
+        x_rows,
+        stride_zk,
+        m_mask,
+        W,
+        w3_ptr + e * sw3_e,
+        s3_ptr + e * ss3_e,
+        offs_n,
+        n_mask,
+        sw3_n,
+        sw3_k,
+        ss3_n,
+        ss3_k,
+        MODE,
+        BM,
+        BN,
+        BK,
+        DOT_F32,
+    )
     h = _glu(acc_g, acc_u, beta1, beta2, ACT)
     hrow = (start + offs_m).to(tl.int64) * stride_hm
-    tl.store(h_ptr + hrow[:, None] + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(
+        h_ptr + hrow[:, None] + offs_n[None, :], h.to(h_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :]
+    )
 
 
 @triton.jit
-def _moe_down_kernel(h_ptr, stride_hm,
-                     w2_ptr, s2_ptr, sw2_e, sw2_n, sw2_k, ss2_e, ss2_n, ss2_k,
-                     y_ptr, stride_ym, tw_ptr,
-                     pairs_ptr, blk_expert_ptr, blk_start_ptr, blk_rows_ptr,
-                     I, W,
-                     MODE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     DOT_F32: tl.constexpr):
+def _moe_down_kernel(
+    h_ptr,
+    stride_hm,
+    w2_ptr,
+    s2_ptr,
+    sw2_e,
+    sw2_n,
+    sw2_k,
+    ss2_e,
+    ss2_n,
+    ss2_k,
+    y_ptr,
+    stride_ym,
+    tw_ptr,
+    pairs_ptr,
+    blk_expert_ptr,
+    blk_start_ptr,
+    blk_rows_ptr,
+    I,
+    W,
+    MODE: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(blk_expert_ptr + pid_b)
@@ -266,8 +381,26 @@ def _moe_down_kernel(h_ptr, stride_hm,
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_mask = offs_n < W
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    acc = _mx_matmul(acc, h_rows, 1, m_mask, I, w2_ptr + e * sw2_e, s2_ptr + e * ss2_e, offs_n, n_mask,
-                     sw2_n, sw2_k, ss2_n, ss2_k, MODE, BM, BN, BK, DOT_F32)
+    acc = _mx_matmul(
+        acc,
+        h_rows,
+        1,
+        m_mask,
+        I,
+        w2_ptr + e * sw2_e,
+        s2_ptr + e * ss2_e,
+        offs_n,
+        n_mask,
+        sw2_n,
+        sw2_k,
+        ss2_n,
+        ss2_k,
+        MODE,
+        BM,
+        BN,
+        BK,
+        DOT_F32,
+    )
     acc = acc * wt[:, None]
     yrow = pair.to(tl.int64) * stride_ym
     tl.store(y_ptr + yrow[:, None] + offs_n[None, :], acc, mask=m_mask[:, None] & n_mask[None, :])
@@ -325,7 +458,9 @@ def route_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     E = num_experts
     key = torch.where(ids >= 0, ids, torch.full_like(ids, E))
     pairs = torch.argsort(key, stable=True).to(torch.int32)
-    counts = torch.zeros(E + 1, dtype=torch.long, device=dev).scatter_add_(0, key, torch.ones_like(key))[:E]  # bincount syncs
+    counts = torch.zeros(E + 1, dtype=torch.long, device=dev).scatter_add_(0, key, torch.ones_like(key))[
+        :E
+    ]  # bincount syncs
     nblk = (counts + block_m - 1) // block_m
     cum_blk = torch.cumsum(nblk, 0)
     cum_cnt_excl = torch.cumsum(counts, 0) - counts
@@ -352,8 +487,22 @@ def _cfg(M_rows_per_expert: float, n_dim: int, device: torch.device, mode: int):
     return BM, 128 if mode == 3 else 64, BK, 4, 4 if mode == 3 else 3
 
 
-def _launch(z, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, topk_ids, topk_weights,
-            activation, beta1, beta2, mode=None, out=None):
+def _launch(
+    z,
+    w1_packed,
+    w1_scale,
+    w3_packed,
+    w3_scale,
+    w2_packed,
+    w2_scale,
+    topk_ids,
+    topk_weights,
+    activation,
+    beta1,
+    beta2,
+    mode=None,
+    out=None,
+):
     N, W = z.shape
     E, I, W2h = w1_packed.shape
     assert W2h * 2 == W and W % 32 == 0 and I % 32 == 0, "W and I must be multiples of 32"
@@ -371,8 +520,11 @@ def _launch(z, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, to
     BN2 = _cfg(P / E, W, dev, mode)[1]
     pairs, blk_e, blk_s, blk_r = route_blocks(topk_ids, E, BM)
     NB = blk_e.numel()
-    alloc = (lambda *s, dtype: torch.full(s, float("nan"), dtype=dtype, device=dev)) if _POISON else \
-        (lambda *s, dtype: torch.empty(s, dtype=dtype, device=dev))
+    alloc = (
+        (lambda *s, dtype: torch.full(s, float("nan"), dtype=dtype, device=dev))
+        if _POISON
+        else (lambda *s, dtype: torch.empty(s, dtype=dtype, device=dev))
+    )
     h = alloc(P, I, dtype=torch.float32 if mode == 4 else torch.bfloat16)
     y = alloc(P, W, dtype=torch.float32)
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
@@ -380,23 +532,93 @@ def _launch(z, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, to
     act = 0 if activation == "situ" else 1
     interp = interpreting()
     _moe_gate_up_kernel[(NB, triton.cdiv(I, BN1))](
-        z, z.stride(0), z.stride(1), w1_packed, w1_scale, w3_packed, w3_scale,
-        *w1_packed.stride(), *w1_scale.stride(), *w3_packed.stride(), *w3_scale.stride(),
-        h, h.stride(0), pairs, blk_e, blk_s, blk_r, TOPK, I, W, float(beta1), float(beta2),
-        ACT=act, MODE=mode, BM=BM, BN=BN1, BK=BK, DOT_F32=interp, num_warps=nw, num_stages=ns)
+        z,
+        z.stride(0),
+        z.stride(1),
+        w1_packed,
+        w1_scale,
+        w3_packed,
+        w3_scale,
+        *w1_packed.stride(),
+        *w1_scale.stride(),
+        *w3_packed.stride(),
+        *w3_scale.stride(),
+        h,
+        h.stride(0),
+        pairs,
+        blk_e,
+        blk_s,
+        blk_r,
+        TOPK,
+        I,
+        W,
+        float(beta1),
+        float(beta2),
+        ACT=act,
+        MODE=mode,
+        BM=BM,
+        BN=BN1,
+        BK=BK,
+        DOT_F32=interp,
+        num_warps=nw,
+        num_stages=ns,
+    )
     _moe_down_kernel[(NB, triton.cdiv(W, BN2))](
-        h, h.stride(0), w2_packed, w2_scale, *w2_packed.stride(), *w2_scale.stride(),
-        y, y.stride(0), tw, pairs, blk_e, blk_s, blk_r, I, W,
-        MODE=mode, BM=BM, BN=BN2, BK=BK, DOT_F32=interp, num_warps=nw, num_stages=ns)
+        h,
+        h.stride(0),
+        w2_packed,
+        w2_scale,
+        *w2_packed.stride(),
+        *w2_scale.stride(),
+        y,
+        y.stride(0),
+        tw,
+        pairs,
+        blk_e,
+        blk_s,
+        blk_r,
+        I,
+        W,
+        MODE=mode,
+        BM=BM,
+        BN=BN2,
+        BK=BK,
+        DOT_F32=interp,
+        num_warps=nw,
+        num_stages=ns,
+    )
     CB = min(1024, triton.next_power_of_2(W))
     _moe_combine_kernel[(N, triton.cdiv(W, CB))](y, ids, out, W, TOPK, BLOCK=CB, num_warps=4)
     return out
 
 
-def mxfp4_moe(z: torch.Tensor, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale,
-              topk_ids: torch.Tensor, topk_weights: torch.Tensor, activation: str = "situ",
-              beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
+def mxfp4_moe(
+    z: torch.Tensor,
+    w1_packed,
+    w1_scale,
+    w3_packed,
+    w3_scale,
+    w2_packed,
+    w2_scale,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    activation: str = "situ",
+    beta1: float = 4.0,
+    beta2: float = 25.0,
+) -> torch.Tensor:
     """z [N, W]; w1/w3 packed [E, I, W/2] scale [E, I, W/32]; w2 packed [E, W, I/2] scale [E, W, I/32];
     topk_ids [N, k] local expert index or -1; topk_weights [N, k]. Returns u [N, W] fp32."""
-    return _launch(z, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, topk_ids, topk_weights,
-                   activation, beta1, beta2)
+    return _launch(
+        z,
+        w1_packed,
+        w1_scale,
+        w3_packed,
+        w3_scale,
+        w2_packed,
+        w2_scale,
+        topk_ids,
+        topk_weights,
+        activation,
+        beta1,
+        beta2,
+    )

@@ -10,6 +10,7 @@ and run three batched matmuls (a fixed handful of ops, no host sync, no loop: th
 torch.compile); many tokens (prefill) loop over the experts they touch, dequantizing each once. Both give
 the same values up to the order of the fp32 sums.
 """
+
 from __future__ import annotations
 
 import torch
@@ -62,17 +63,30 @@ def glu_act(g: torch.Tensor, u: torch.Tensor, activation: str, beta1: float, bet
     return F.silu(g) * u
 
 
-def mxfp4_moe(z: torch.Tensor, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale,
-              topk_ids: torch.Tensor, topk_weights: torch.Tensor, activation: str = "situ",
-              beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
+def mxfp4_moe(
+    z: torch.Tensor,
+    w1_packed,
+    w1_scale,
+    w3_packed,
+    w3_scale,
+    w2_packed,
+    w2_scale,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    activation: str = "situ",
+    beta1: float = 4.0,
+    beta2: float = 25.0,
+) -> torch.Tensor:
     """z [N, W]; w1/w3 packed [E, I, W/2] scale [E, I, W/32]; w2 packed [E, W, I/2] scale [E, W, I/32];
     topk_ids [N, k] local expert index or -1; topk_weights [N, k]. Returns u [N, W] fp32."""
     N, W = z.shape
     if batched_order(topk_ids, w1_packed.shape[0], w1_packed.shape[1], W):
         ids = topk_ids.clamp(min=0)
         once = ids.numel() >= w1_packed.shape[0]  # as many choices as experts: dequantize each once, then gather
-        w1, w3, w2 = ((dequant_mxfp4(p, s)[ids] if once else dequant_mxfp4(p[ids], s[ids])) for p, s in
-                      ((w1_packed, w1_scale), (w3_packed, w3_scale), (w2_packed, w2_scale)))
+        w1, w3, w2 = (
+            (dequant_mxfp4(p, s)[ids] if once else dequant_mxfp4(p[ids], s[ids]))
+            for p, s in ((w1_packed, w1_scale), (w3_packed, w3_scale), (w2_packed, w2_scale))
+        )
         return _gathered(z.float(), w1, w3, w2, topk_ids, topk_weights, activation, beta1, beta2)
     out = torch.zeros(N, W, dtype=torch.float32, device=z.device)
     zf = z.float()
@@ -81,15 +95,29 @@ def mxfp4_moe(z: torch.Tensor, w1_packed, w1_scale, w3_packed, w3_scale, w2_pack
             continue
         rows, cols = (topk_ids == e).nonzero(as_tuple=True)
         x = zf[rows]
-        h = glu_act(x @ dequant_mxfp4(w1_packed[e], w1_scale[e]).T, x @ dequant_mxfp4(w3_packed[e], w3_scale[e]).T,
-                    activation, beta1, beta2)
+        h = glu_act(
+            x @ dequant_mxfp4(w1_packed[e], w1_scale[e]).T,
+            x @ dequant_mxfp4(w3_packed[e], w3_scale[e]).T,
+            activation,
+            beta1,
+            beta2,
+        )
         y = h @ dequant_mxfp4(w2_packed[e], w2_scale[e]).T
         out.index_add_(0, rows, y * topk_weights[rows, cols].float().unsqueeze(-1))
     return out
 
 
-def dequantized_moe(z: torch.Tensor, w1, w3, w2, topk_ids, topk_weights, activation: str = "situ",
-                    beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
+def dequantized_moe(
+    z: torch.Tensor,
+    w1,
+    w3,
+    w2,
+    topk_ids,
+    topk_weights,
+    activation: str = "situ",
+    beta1: float = 4.0,
+    beta2: float = 25.0,
+) -> torch.Tensor:
     """mxfp4_moe over experts dequantized once (at load): w1/w3 [E, I, W], w2 [E, W, I] holding the MXFP4
     values exactly (bf16 holds every E2M1 x E8M0 value). The same fp32 arithmetic as mxfp4_moe, without
     the per-step dequantization; returns u [N, W] fp32."""
@@ -97,8 +125,9 @@ def dequantized_moe(z: torch.Tensor, w1, w3, w2, topk_ids, topk_weights, activat
     zf = z.float()
     if batched_order(topk_ids, w1.shape[0], w1.shape[1], W):
         ids = topk_ids.clamp(min=0)
-        return _gathered(zf, w1[ids].float(), w3[ids].float(), w2[ids].float(), topk_ids, topk_weights,
-                         activation, beta1, beta2)
+        return _gathered(
+            zf, w1[ids].float(), w3[ids].float(), w2[ids].float(), topk_ids, topk_weights, activation, beta1, beta2
+        )
     out = torch.zeros(N, W, dtype=torch.float32, device=z.device)
     for e in torch.unique(topk_ids).tolist():
         if e < 0:
@@ -110,14 +139,32 @@ def dequantized_moe(z: torch.Tensor, w1, w3, w2, topk_ids, topk_weights, activat
     return out
 
 
-def dense_moe(z: torch.Tensor, w1, w3, w2, topk_ids, topk_weights, activation: str = "silu",
-              beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
+def dense_moe(
+    z: torch.Tensor,
+    w1,
+    w3,
+    w2,
+    topk_ids,
+    topk_weights,
+    activation: str = "silu",
+    beta1: float = 4.0,
+    beta2: float = 25.0,
+) -> torch.Tensor:
     """Same as mxfp4_moe for unquantized experts (Kimi Linear): w1/w3 [E, I, W], w2 [E, W, I]."""
     N, W = z.shape
     if batched_order(topk_ids, w1.shape[0], w1.shape[1], W):
         ids = topk_ids.clamp(min=0)
-        return _gathered(z, w1[ids].to(z.dtype), w3[ids].to(z.dtype), w2[ids].to(z.dtype), topk_ids, topk_weights,
-                         activation, beta1, beta2)
+        return _gathered(
+            z,
+            w1[ids].to(z.dtype),
+            w3[ids].to(z.dtype),
+            w2[ids].to(z.dtype),
+            topk_ids,
+            topk_weights,
+            activation,
+            beta1,
+            beta2,
+        )
     out = torch.zeros(N, W, dtype=torch.float32, device=z.device)
     for e in torch.unique(topk_ids).tolist():
         if e < 0:

@@ -5,6 +5,7 @@ forces the torch references; `P2PK3_KERNELS=triton` forces the Triton kernels (o
 `TRITON_INTERPRET=1` set before triton is first imported). Callers (the model, the daemon) never know
 which ran. `force(path)` overrides the environment for the current process (tests, benchmarks).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -39,6 +40,7 @@ def triton_available() -> bool:
     if _triton_ok is None:
         try:
             import triton  # noqa: F401
+
             _triton_ok = True
         except Exception:
             _triton_ok = False
@@ -53,7 +55,9 @@ def use_triton(t: torch.Tensor) -> bool:
         if not triton_available():
             raise RuntimeError("P2PK3_KERNELS=triton but triton is not installed")
         if not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-            raise RuntimeError("P2PK3_KERNELS=triton on CPU tensors needs TRITON_INTERPRET=1 (set before importing triton)")
+            raise RuntimeError(
+                "P2PK3_KERNELS=triton on CPU tensors needs TRITON_INTERPRET=1 (set before importing triton)"
+            )
         return True
     return t.is_cuda and triton_available()
 
@@ -63,6 +67,7 @@ def _pick(module: str, name: str, ref: Callable, probe_arg: int = 0) -> Callable
         if use_triton(args[probe_arg]):
             return getattr(importlib.import_module(f"{__package__}.{module}"), name)(*args, **kwargs)
         return ref(*args, **kwargs)
+
     op.__name__ = name
     op.__doc__ = ref.__doc__
     return op
@@ -73,6 +78,8 @@ kda_decode = _pick("kda", "kda_decode", kda_ref.kda_decode)
 kda_prefill = _pick("kda", "kda_prefill", kda_ref.kda_prefill)
 mla_decode = _pick("mla_decode", "mla_decode", mla_decode_ref.mla_decode)
 mxfp4_moe = _pick("mxfp4_moe", "mxfp4_moe", mxfp4_moe_ref.mxfp4_moe)
-mx_linear = _pick("mx_linear", "mx_linear", mx_linear_ref.mx_linear)  # MXFP8 / MXFP4 dense weights (p2pk3.quant.formats)
+mx_linear = _pick(
+    "mx_linear", "mx_linear", mx_linear_ref.mx_linear
+)  # MXFP8 / MXFP4 dense weights (p2pk3.quant.formats)
 dense_moe = mxfp4_moe_ref.dense_moe
 dequantized_moe = mxfp4_moe_ref.dequantized_moe  # MXFP4 experts dequantized at load (CPU option, LatentMoE.dequantize_experts)  # unquantized experts (Kimi Linear): torch matmuls are already the fast path

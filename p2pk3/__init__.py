@@ -1,4 +1,5 @@
 """p2pk3: a peer-to-peer inference engine for Kimi K3."""
+
 from pathlib import Path
 
 __version__ = "0.1.0"

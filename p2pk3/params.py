@@ -1,15 +1,23 @@
 """`SamplingParams`: what a request asks of the sampler — the one schema shared by the engine (which
 samples), the wire protocol (which carries it in `generate` requests and in the segment that the last
 stage samples) and the front ends. Plain Python: no torch, no network."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 # wire field -> accepted Python types (bool is never accepted as a number)
-_FIELDS: dict[str, tuple[type, ...]] = {"temperature": (int, float), "top_k": (int,), "top_p": (int, float),
-                                        "seed": (int, type(None)), "max_tokens": (int,), "stop_ids": (list, tuple),
-                                        "speculate": (str,), "draft_tokens": (int,)}
+_FIELDS: dict[str, tuple[type, ...]] = {
+    "temperature": (int, float),
+    "top_k": (int,),
+    "top_p": (int, float),
+    "seed": (int, type(None)),
+    "max_tokens": (int,),
+    "stop_ids": (list, tuple),
+    "speculate": (str,),
+    "draft_tokens": (int,),
+}
 MAX_STOP_IDS = 64
 # Speculative decoding (p2pk3/spec): how the entry drafts tokens that the ring verifies in one pass. It never
 # changes the output (greedy and seeded sampling give the same tokens with and without it), only the speed.
@@ -59,8 +67,11 @@ class SamplingParams:
 
     def sampler(self) -> "SamplingParams":
         """What the sampler needs (the speculation options dropped): the map a segment carries."""
-        return self if self.speculate == "off" and self.draft_tokens == DEFAULT_DRAFT else \
-            replace(self, speculate="off", draft_tokens=DEFAULT_DRAFT)
+        return (
+            self
+            if self.speculate == "off" and self.draft_tokens == DEFAULT_DRAFT
+            else replace(self, speculate="off", draft_tokens=DEFAULT_DRAFT)
+        )
 
     def with_seed(self, seed: int) -> "SamplingParams":
         return replace(self, seed=seed)
@@ -87,8 +98,9 @@ class SamplingParams:
             if isinstance(v, bool) or not isinstance(v, types):
                 raise ValueError(f"sampling parameter {k!r} has the wrong type ({type(v).__name__})")
         stops = d.get("stop_ids", ())
-        if len(stops) > MAX_STOP_IDS or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                for t in stops):
+        if len(stops) > MAX_STOP_IDS or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stops
+        ):
             raise ValueError(f"stop_ids must be at most {MAX_STOP_IDS} non-negative integers")
         kw = {k: v for k, v in d.items() if k != "stop_ids"}
         return cls(**kw, stop_ids=tuple(stops))

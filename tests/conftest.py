@@ -4,6 +4,7 @@ Triton kernels: without a CUDA device they run under the Triton interpreter, whi
 first imported, so it is set here (before any test module imports triton). On a GPU host the variable is left alone
 and the kernel tests run compiled on CUDA tensors.
 """
+
 import os
 
 try:
@@ -49,6 +50,7 @@ def local_ring(model_dir=None, nodes: int = 2, **kw):
     (a daemon that fails to start ends the others too). `from conftest import local_ring`."""
     from p2pk3.engine.reference import default_model_dir
     from p2pk3.node.local import LocalRing
+
     with LocalRing(model_dir or default_model_dir(), nodes, **kw) as r:
         yield r
 
@@ -56,11 +58,14 @@ def local_ring(model_dir=None, nodes: int = 2, **kw):
 def run(coro, timeout: float = 30.0, loop: str = "asyncio"):
     """Run a test coroutine with a deadline (`loop="uvloop"` on uvloop): nothing in a test waits forever.
     Test modules import it: `from conftest import run`."""
+
     async def guarded():
         return await asyncio.wait_for(coro, timeout)
+
     factory = None
     if loop == "uvloop":
         import uvloop
+
         factory = uvloop.new_event_loop
     with asyncio.Runner(loop_factory=factory) as r:
         return r.run(guarded())

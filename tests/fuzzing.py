@@ -15,6 +15,7 @@ change the ring's state (`retain` frees every session a stage holds that it does
 withholds those and counts them (`withheld`). Any exception other than ProtocolError (and ValueError for
 `generate` contents, answered with bad_request) escaping a parser is a bug: `judge` lets it propagate.
 """
+
 from __future__ import annotations
 
 import math
@@ -27,13 +28,35 @@ import msgpack
 
 from p2pk3.params import SamplingParams
 from p2pk3.transport import messages as M
-from p2pk3.transport.codec import (DEFAULT_MAX_PAYLOAD, DTYPES, MAGIC, MAX_HEADER_LEN, PREFIX, VERSION, Frame,
-                                   ProtocolError, encode_bytes)
+from p2pk3.transport.codec import (
+    DEFAULT_MAX_PAYLOAD,
+    DTYPES,
+    MAGIC,
+    MAX_HEADER_LEN,
+    PREFIX,
+    VERSION,
+    Frame,
+    ProtocolError,
+    encode_bytes,
+)
 from p2pk3.transport.connection import HANDSHAKE_MAX_HEADER
 from p2pk3.transport.decoder import FrameDecoder
 
-DAEMON_KINDS = ("forward", "result", "free", "ping", "status", "claim", "generate", "cancel", "route", "takeover",
-                "retain", "file_list", "file_get")
+DAEMON_KINDS = (
+    "forward",
+    "result",
+    "free",
+    "ping",
+    "status",
+    "claim",
+    "generate",
+    "cancel",
+    "route",
+    "takeover",
+    "retain",
+    "file_list",
+    "file_get",
+)
 OTHER_KINDS = ("hello", "auth", "error", "pong", "token", "done", "claim_result", "tokens", "Forward", "ping\x00")
 ACTIVATION_DTYPES = ("float32", "bfloat16", "float16")  # what torch_tensor takes (p2pk3.model.dtypes)
 
@@ -54,8 +77,13 @@ class Target:
         plan0 = topo.slot_plan(act[0], cfg)
         plan1 = topo.slot_plan(act[-1], cfg)
         layer = plan1.layers[0].layer if len(act) > 1 else 0
-        return cls(cfg.hidden_size, cfg.vocab_size, layer, plan0.bank_rows_out(cfg) if len(act) > 1 else 0,
-                   tuple(s.id for s in topo.slots))
+        return cls(
+            cfg.hidden_size,
+            cfg.vocab_size,
+            layer,
+            plan0.bank_rows_out(cfg) if len(act) > 1 else 0,
+            tuple(s.id for s in topo.slots),
+        )
 
 
 @dataclass
@@ -92,9 +120,40 @@ def _nested(depth: int, leaf: Any = None, as_map: bool = False) -> Any:
 
 
 HOSTILE_SCALARS: list[Any] = [
-    None, True, False, 0, -1, 1, 7, 255, 2**31, 2**32, 2**53 + 1, 2**63 - 1, -2**63, 2**64 - 1, 0.0, -0.0,
-    math.nan, math.inf, -math.inf, 1e-300, 1e308, -1e308, 5e-324, "", "s0", "s1", "kind", "\u2603" * 3,
-    "\U0001F600", "a\x00b", b"", b"\x00", b"\xff" * 33, "s" * 257,
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1,
+    7,
+    255,
+    2**31,
+    2**32,
+    2**53 + 1,
+    2**63 - 1,
+    -(2**63),
+    2**64 - 1,
+    0.0,
+    -0.0,
+    math.nan,
+    math.inf,
+    -math.inf,
+    1e-300,
+    1e308,
+    -1e308,
+    5e-324,
+    "",
+    "s0",
+    "s1",
+    "kind",
+    "\u2603" * 3,
+    "\U0001f600",
+    "a\x00b",
+    b"",
+    b"\x00",
+    b"\xff" * 33,
+    "s" * 257,
 ]
 
 
@@ -109,8 +168,10 @@ def hostile_value(rng: random.Random, depth: int = 0) -> Any:
     if r < 0.75:
         return [hostile_value(rng, depth + 1) for _ in range(rng.randrange(0, 5))]
     if r < 0.82:
-        return {rng.choice(("session", "epoch", "a", "", "kind", "n_tokens")): hostile_value(rng, depth + 1)
-                for _ in range(rng.randrange(0, 4))}
+        return {
+            rng.choice(("session", "epoch", "a", "", "kind", "n_tokens")): hostile_value(rng, depth + 1)
+            for _ in range(rng.randrange(0, 4))
+        }
     if r < 0.88:
         return list(range(rng.choice((100, 5000, 60000))))
     if r < 0.94:
@@ -132,33 +193,56 @@ def valid_frames(t: Target, rng: random.Random) -> list[Frame]:
     ghost = f"ghost-{rng.getrandbits(32):x}"
     seg = {"session": ghost, "epoch": rng.randrange(0, 3), "start_pos": rng.choice((0, 3, 17)), "n_tokens": n}
     if rng.random() < 0.5:
-        seg["sample"] = {"temperature": rng.choice((0.0, 0.7, 1.5)), "top_k": rng.choice((0, 5)),
-                         "top_p": rng.choice((1.0, 0.9)), "seed": rng.randrange(100), "max_tokens": 4}
+        seg["sample"] = {
+            "temperature": rng.choice((0.0, 0.7, 1.5)),
+            "top_k": rng.choice((0, 5)),
+            "top_p": rng.choice((1.0, 0.9)),
+            "seed": rng.randrange(100),
+            "max_tokens": 4,
+        }
     tens = [("prefix", _f32((n, D)))]
     if R:
         tens.append(("bank", _f32((R, n, D))))
     fwd = Frame.make("forward", tens, segments=[seg], layer=t.layer, mid_moe=False)
     res = M.result_frame([M.Result(ghost, 0, rng.randrange(0, 50), rng.randrange(t.vocab))])
-    res_logits = Frame.make("result", [("logits", _f32((1, t.vocab)))],
-                            results=[{"session": ghost, "epoch": 0, "pos": 3, "token": 1, "rows": 1}])
+    res_logits = Frame.make(
+        "result",
+        [("logits", _f32((1, t.vocab)))],
+        results=[{"session": ghost, "epoch": 0, "pos": 3, "token": 1, "rows": 1}],
+    )
     slot = rng.choice(("fuzz-slot", "s9", "spare-x"))
     frames = [
-        fwd, res, res_logits,
+        fwd,
+        res,
+        res_logits,
         M.free_frame([(ghost, 0), (rng.getrandbits(20), 1)], origin="fuzzer"),
         M.ping_frame(rng.getrandbits(31), 123),
         M.status_frame(),
-        Frame.make("claim", slot=slot, node="fuzzer", epoch=rng.randrange(1, 5),
-                   op=rng.choice(("request", "commit", "release")), since=1.0),
-        M.GenerateRequest(rng.randrange(1, 1 << 20), [rng.randrange(t.vocab) for _ in range(rng.randrange(1, 6))],
-                          SamplingParams(max_tokens=rng.randrange(0, 3))).frame(),
+        Frame.make(
+            "claim",
+            slot=slot,
+            node="fuzzer",
+            epoch=rng.randrange(1, 5),
+            op=rng.choice(("request", "commit", "release")),
+            since=1.0,
+        ),
+        M.GenerateRequest(
+            rng.randrange(1, 1 << 20),
+            [rng.randrange(t.vocab) for _ in range(rng.randrange(1, 6))],
+            SamplingParams(max_tokens=rng.randrange(0, 3)),
+        ).frame(),
         M.cancel_frame(rng.randrange(1 << 20)),
         Frame.make("route", slot=slot, node="fuzzer", host="127.0.0.1", port=rng.randrange(1, 65536), epoch=1),
         Frame.make("takeover", slot=rng.choice(t.slots + ("fuzz-slot",)), replaces={"node": "x", "epoch": 1}),
         Frame.make("retain", sessions=[[ghost, 0]]),
         Frame.make("file_list", request_id=rng.randrange(100)),
-        Frame.make("file_get", request_id=rng.randrange(100), path=rng.choice(("config.json", "../secret", "/etc/passwd",
-                                                                                "model.safetensors.index.json")),
-                   offset=rng.choice((0, 10, 2**40)), length=rng.choice((0, 100, 1 << 30))),
+        Frame.make(
+            "file_get",
+            request_id=rng.randrange(100),
+            path=rng.choice(("config.json", "../secret", "/etc/passwd", "model.safetensors.index.json")),
+            offset=rng.choice((0, 10, 2**40)),
+            length=rng.choice((0, 100, 1 << 30)),
+        ),
         M.error_frame("bad_frame", "fuzz"),
         Frame.make(rng.choice(OTHER_KINDS), id=1),
     ]
@@ -192,9 +276,28 @@ def mutate_header(h: dict, rng: random.Random) -> dict:
         paths = [p for p in _paths(h) if p]
         op = rng.random()
         if op < 0.1:
-            h[rng.choice(("kind", "segments", "tensors", "results", "sessions", "prompt", "params", "slot",
-                          "epoch", "layer", "mid_moe", "request_id", "op", "replaces", "id", "x" * 40))] = \
-                hostile_value(rng)
+            h[
+                rng.choice(
+                    (
+                        "kind",
+                        "segments",
+                        "tensors",
+                        "results",
+                        "sessions",
+                        "prompt",
+                        "params",
+                        "slot",
+                        "epoch",
+                        "layer",
+                        "mid_moe",
+                        "request_id",
+                        "op",
+                        "replaces",
+                        "id",
+                        "x" * 40,
+                    )
+                )
+            ] = hostile_value(rng)
             continue
         if not paths:
             break
@@ -233,8 +336,9 @@ def tensor_mutation(f: Frame, rng: random.Random) -> tuple[dict, bytes, int | No
     elif r == 3:
         d["offset"] = rng.choice((len(payload), len(payload) - 1, -1, 2**64 - 1, 2**63, 1.0, None, True))
     elif r == 4:
-        d["shape"] = rng.choice(([], [0], [-1, 4], [2**62, 2**62], [1] * 9, [True, 4], [1.0], "12", None,
-                                 [2**64 - 1], [0, 2**40]))
+        d["shape"] = rng.choice(
+            ([], [0], [-1, 4], [2**62, 2**62], [1] * 9, [True, 4], [1.0], "12", None, [2**64 - 1], [0, 2**40])
+        )
         if isinstance(d["shape"], list) and all(type(s) is int and s >= 0 for s in d["shape"]):
             d["nbytes"] = math.prod(d["shape"]) * DTYPES.get(d["dtype"], 1)
     elif r == 5:  # consistent, wrong width for the model
@@ -259,8 +363,9 @@ def tensor_mutation(f: Frame, rng: random.Random) -> tuple[dict, bytes, int | No
     elif r == 11:
         d["extra"] = hostile_value(rng)
     elif r == 12:  # a tensor of another kind's
-        descs.append({"name": "partial_latent", "dtype": "float32", "shape": [1, 7], "offset": len(payload),
-                      "nbytes": 28})
+        descs.append(
+            {"name": "partial_latent", "dtype": "float32", "shape": [1, 7], "offset": len(payload), "nbytes": 28}
+        )
         payload += bytes(28)
     elif r == 13:  # a bank that does not match its prefix
         if len(descs) > 1:
@@ -275,6 +380,7 @@ def tensor_mutation(f: Frame, rng: random.Random) -> tuple[dict, bytes, int | No
 
 def _chunks(f: Frame) -> list[Any]:
     from p2pk3.transport.codec import encode
+
     return encode(f)
 
 
@@ -282,11 +388,11 @@ def _chunks(f: Frame) -> list[Any]:
 def _ext(code: int, data: bytes) -> bytes:
     n = len(data)
     c = code & 0xFF
-    fix = {1: 0xd4, 2: 0xd5, 4: 0xd6, 8: 0xd7, 16: 0xd8}
+    fix = {1: 0xD4, 2: 0xD5, 4: 0xD6, 8: 0xD7, 16: 0xD8}
     if n in fix:
         return bytes((fix[n], c)) + data
     if n < 256:
-        return bytes((0xc7, n, c)) + data
+        return bytes((0xC7, n, c)) + data
     return b"\xc8" + struct.pack(">H", n) + bytes((c,)) + data
 
 
@@ -319,14 +425,21 @@ def bomb(rng: random.Random) -> tuple[str, bytes]:
         ln = rng.choice((1, 2, 4, 8, 16, 3, 300))
         return f"ext type {code}", k + _ext(code, bytes(ln))
     if r == 10:
-        data = rng.choice((struct.pack(">I", 1), struct.pack(">Q", 1 << 34), struct.pack(">Iq", 5, -1),
-                           b"\xff" * 12, b"\x00" * 5))
+        data = rng.choice(
+            (struct.pack(">I", 1), struct.pack(">Q", 1 << 34), struct.pack(">Iq", 5, -1), b"\xff" * 12, b"\x00" * 5)
+        )
         return f"timestamp ext ({len(data)} bytes)", k + _ext(-1, data)
     if r == 11:
-        return "non-string key", rng.choice((b"\x82\xa4kind\xa4ping\x01\x02", b"\x82\xa4kind\xa4ping\xc0\x02",
-                                             b"\x82\xa4kind\xa4ping\xc4\x01k\x02", b"\x82\xa4kind\xa4ping\x91\x01\x02",
-                                             b"\x82\xa4kind\xa4ping\xcb\x3f\xf0\0\0\0\0\0\0\x02",
-                                             b"\x82\xa4kind\xa4ping\x81\xa1a\x01\x02"))
+        return "non-string key", rng.choice(
+            (
+                b"\x82\xa4kind\xa4ping\x01\x02",
+                b"\x82\xa4kind\xa4ping\xc0\x02",
+                b"\x82\xa4kind\xa4ping\xc4\x01k\x02",
+                b"\x82\xa4kind\xa4ping\x91\x01\x02",
+                b"\x82\xa4kind\xa4ping\xcb\x3f\xf0\0\0\0\0\0\0\x02",
+                b"\x82\xa4kind\xa4ping\x81\xa1a\x01\x02",
+            )
+        )
     if r == 12:
         return "duplicate keys", b"\x83\xa4kind\xa4ping\xa4kind\xa7forward\xa2id\x01"
     if r == 13:
@@ -335,7 +448,7 @@ def bomb(rng: random.Random) -> tuple[str, bytes]:
         return "trailing data", pack({"kind": "ping", "id": 1}) + rng.choice((b"\x00", b"\xc1", pack({"kind": "x"})))
     if r == 15:
         h = pack({"kind": "status", "pad": "x" * 100})
-        return "truncated msgpack", h[:rng.randrange(1, len(h))]
+        return "truncated msgpack", h[: rng.randrange(1, len(h))]
     if r == 16:
         return "reserved byte 0xc1", k + b"\xc1"
     if r == 17:
@@ -351,8 +464,17 @@ def bomb(rng: random.Random) -> tuple[str, bytes]:
 
 
 # ------------------------------------------------------------------------------------------ the fuzzer
-AUTH_CATEGORIES = ("valid", "mutated_header", "byte_flip", "tensor", "bomb", "prefix", "truncated", "random",
-                   "cross_kind")
+AUTH_CATEGORIES = (
+    "valid",
+    "mutated_header",
+    "byte_flip",
+    "tensor",
+    "bomb",
+    "prefix",
+    "truncated",
+    "random",
+    "cross_kind",
+)
 RAW_CATEGORIES = ("raw_random", "raw_prefix", "raw_bomb", "raw_frame", "raw_hello", "raw_truncated", "raw_payload")
 
 
@@ -398,9 +520,11 @@ class FrameFuzzer:
             try:
                 hb = pack(h)
             except (TypeError, ValueError, OverflowError):  # e.g. nbytes 2**124: not even msgpack
-                hb = pack({**h, "tensors": [dict(d, nbytes=2**64 - 1) for d in h["tensors"]]}
-                          if isinstance(h.get("tensors"), list) and all(isinstance(d, dict) for d in h["tensors"])
-                          else {"kind": "forward"})
+                hb = pack(
+                    {**h, "tensors": [dict(d, nbytes=2**64 - 1) for d in h["tensors"]]}
+                    if isinstance(h.get("tensors"), list) and all(isinstance(d, dict) for d in h["tensors"])
+                    else {"kind": "forward"}
+                )
             if plen is not None and plen != len(payload):
                 return Fuzzed(cat, wrap(hb, payload, plen=plen), truncated=True, ghost=ghost)
             return Fuzzed(cat, wrap(hb, payload, plen=plen), ghost=ghost)
@@ -412,11 +536,18 @@ class FrameFuzzer:
         if cat == "truncated":
             data = encode_bytes(base)
             if rng.random() < 0.3:  # a legal but huge declared payload, then nothing
-                hb = pack({"kind": "forward", "segments": [], "tensors": [
-                    {"name": "prefix", "dtype": "uint8", "shape": [3 << 30], "offset": 0, "nbytes": 3 << 30}]})
+                hb = pack(
+                    {
+                        "kind": "forward",
+                        "segments": [],
+                        "tensors": [
+                            {"name": "prefix", "dtype": "uint8", "shape": [3 << 30], "offset": 0, "nbytes": 3 << 30}
+                        ],
+                    }
+                )
                 data = wrap(hb, b"\0" * 100, plen=3 << 30)
                 return Fuzzed("truncated: 3 GiB payload declared", data, truncated=True)
-            return Fuzzed(cat, data[:rng.randrange(1, len(data))], truncated=True)
+            return Fuzzed(cat, data[: rng.randrange(1, len(data))], truncated=True)
         if cat == "random":
             n = rng.choice((1, 17, 18, 100, 5000))
             return Fuzzed(cat, bytes(rng.getrandbits(8) for _ in range(n)), truncated=True)
@@ -431,22 +562,31 @@ class FrameFuzzer:
         hb = pack({"kind": "ping", "id": 1})
         r = rng.randrange(9)
         if r == 0:
-            return Fuzzed("prefix: bad magic", prefix(len(hb), 0, magic=rng.choice((b"P2K4", b"\0\0\0\0", b"GET "))) + hb)
+            return Fuzzed(
+                "prefix: bad magic", prefix(len(hb), 0, magic=rng.choice((b"P2K4", b"\0\0\0\0", b"GET "))) + hb
+            )
         if r == 1:
             return Fuzzed("prefix: bad version", prefix(len(hb), 0, version=rng.choice((0, 2, 255))) + hb)
         if r == 2:
-            return Fuzzed("prefix: unknown flags", prefix(len(hb), 0, flags=rng.choice((2, 0x80, 0xff))) + hb)
+            return Fuzzed("prefix: unknown flags", prefix(len(hb), 0, flags=rng.choice((2, 0x80, 0xFF))) + hb)
         if r == 3:
             return Fuzzed("prefix: empty header", prefix(0, 0), truncated=True)
         if r == 4:
-            return Fuzzed("prefix: header_len over the limit",
-                          prefix(rng.choice((max_header + 1, 2**32 - 1)), 0) + hb, truncated=True)
+            return Fuzzed(
+                "prefix: header_len over the limit",
+                prefix(rng.choice((max_header + 1, 2**32 - 1)), 0) + hb,
+                truncated=True,
+            )
         if r == 5:
-            return Fuzzed("prefix: payload_len over the limit",
-                          prefix(len(hb), rng.choice((max_payload + 1, 2**64 - 1, 2**63))) + hb, truncated=True)
+            return Fuzzed(
+                "prefix: payload_len over the limit",
+                prefix(len(hb), rng.choice((max_payload + 1, 2**64 - 1, 2**63))) + hb,
+                truncated=True,
+            )
         if r == 6:  # payload declared (legal size) on a frame without tensors: nothing to read it into
-            return Fuzzed("prefix: payload without tensors", prefix(len(hb), rng.choice((1, 4096, 1 << 30))) + hb,
-                          truncated=True)
+            return Fuzzed(
+                "prefix: payload without tensors", prefix(len(hb), rng.choice((1, 4096, 1 << 30))) + hb, truncated=True
+            )
         if r == 7:  # header_len longer than the header: the following bytes are eaten as header
             return Fuzzed("prefix: header_len too long", prefix(len(hb) + 5, 0) + hb + b"\xc0" * 5)
         return Fuzzed("prefix: crc flag, bad crc", prefix(len(hb), 0, flags=1) + hb + b"\0\0\0\0")
@@ -455,8 +595,14 @@ class FrameFuzzer:
     def raw_frame(self) -> Fuzzed:
         rng = self.rng
         cat = rng.choices(RAW_CATEGORIES, weights=(15, 20, 15, 20, 15, 10, 5))[0]
-        hello = {"kind": "hello", "node_id": "fuzz", "version": 1, "nonce": bytes(32), "role": "client",
-                 "software": "fuzz"}
+        hello = {
+            "kind": "hello",
+            "node_id": "fuzz",
+            "version": 1,
+            "nonce": bytes(32),
+            "role": "client",
+            "software": "fuzz",
+        }
         if cat == "raw_random":
             return Fuzzed(cat, bytes(rng.getrandbits(8) for _ in range(rng.choice((1, 18, 64, 3000)))), True)
         if cat == "raw_prefix":
@@ -479,7 +625,7 @@ class FrameFuzzer:
             return Fuzzed(cat, data, True)
         if cat == "raw_truncated":
             d = wrap(pack(hello))
-            return Fuzzed(cat, d[:rng.randrange(1, len(d))], True)
+            return Fuzzed(cat, d[: rng.randrange(1, len(d))], True)
         return Fuzzed(cat, wrap(pack(hello), b"\0" * 64), True)  # a payload before the handshake
 
 
@@ -548,11 +694,19 @@ def run_all_parsers(f: Frame, vocab: int) -> None:
     """Every parser on every frame, whatever its kind: each may only raise ProtocolError (GenerateRequest
     and parse_file_get also ValueError, which the receiver answers with bad_request)."""
     g = Frame(dict(f.header), f.buffers, f.payload, f.wire)
-    for kind, fn in (("forward", M.parse_forward), ("result", M.parse_result), ("free", M.parse_free),
-                     ("cancel", M.parse_cancel), ("route", M.parse_route), ("takeover", M.parse_takeover),
-                     ("retain", M.parse_retain), ("claim", M.parse_claim),
-                     ("file_list", M.parse_file_list), ("file_get", M.parse_file_get),
-                     ("generate", lambda x: M.GenerateRequest.parse(x, vocab))):
+    for kind, fn in (
+        ("forward", M.parse_forward),
+        ("result", M.parse_result),
+        ("free", M.parse_free),
+        ("cancel", M.parse_cancel),
+        ("route", M.parse_route),
+        ("takeover", M.parse_takeover),
+        ("retain", M.parse_retain),
+        ("claim", M.parse_claim),
+        ("file_list", M.parse_file_list),
+        ("file_get", M.parse_file_get),
+        ("generate", lambda x: M.GenerateRequest.parse(x, vocab)),
+    ):
         g.header["kind"] = kind
         try:
             fn(g)
@@ -583,7 +737,9 @@ def check_buffers(f: Frame) -> None:
     assert len(descs) == len(f.buffers), "one buffer per tensor descriptor"
     plen = f.payload.nbytes if f.payload is not None else 0
     for d, b in zip(descs, f.buffers):
-        assert type(d["nbytes"]) is int and b.nbytes == d["nbytes"], f"tensor {d['name']!r}: {b.nbytes} bytes, descriptor says {d['nbytes']}"
+        assert type(d["nbytes"]) is int and b.nbytes == d["nbytes"], (
+            f"tensor {d['name']!r}: {b.nbytes} bytes, descriptor says {d['nbytes']}"
+        )
         assert 0 <= d["offset"] and d["offset"] + d["nbytes"] <= plen, f"tensor {d['name']!r} outside the payload"
         assert d["nbytes"] == math.prod(d["shape"]) * DTYPES[d["dtype"]]
 

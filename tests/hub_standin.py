@@ -12,6 +12,7 @@ Faults for tests: `cut_once` (names: the first GET sends half the body and drops
 `corrupt` (names: served with flipped bytes; the metadata keeps the true hashes), `token` (require
 `Authorization: Bearer <token>`, else 401). `log` records (method, file or api path, Range header).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -30,8 +31,9 @@ def _git_sha1(data: bytes) -> str:
 
 
 class HubStandIn:
-    def __init__(self, root: str | Path, repo: str = "org/tiny-k3", commit: str = "c0ffee" * 6 + "abcd",
-                 token: str | None = None):
+    def __init__(
+        self, root: str | Path, repo: str = "org/tiny-k3", commit: str = "c0ffee" * 6 + "abcd", token: str | None = None
+    ):
         self.root, self.repo, self.commit, self.token = Path(root), repo, commit, token
         self.log: list[tuple[str, str, str | None]] = []
         self.cut_once: set[str] = set()
@@ -72,8 +74,11 @@ class HubStandIn:
             def _auth_ok(self) -> bool:
                 if hub.token is None or self.headers.get("Authorization") == f"Bearer {hub.token}":
                     return True
-                self._plain(401, b'{"error": "Invalid credentials in Authorization header"}',
-                            {"X-Error-Message": "Invalid credentials in Authorization header"})
+                self._plain(
+                    401,
+                    b'{"error": "Invalid credentials in Authorization header"}',
+                    {"X-Error-Message": "Invalid credentials in Authorization header"},
+                )
                 return False
 
             def _plain(self, code: int, body: bytes, extra: dict | None = None, head: bool = False) -> None:
@@ -90,10 +95,10 @@ class HubStandIn:
                 path = unquote(urlparse(self.path).path)
                 api = f"/api/models/{hub.repo}/revision/"
                 if path.startswith(api):
-                    return "api", path[len(api):]
+                    return "api", path[len(api) :]
                 pre = f"/{hub.repo}/resolve/"
                 if path.startswith(pre):
-                    rev, _, name = path[len(pre):].partition("/")
+                    rev, _, name = path[len(pre) :].partition("/")
                     return "file", (rev, name)
                 return None, path
 
@@ -112,17 +117,30 @@ class HubStandIn:
                     return
                 if kind == "api":
                     if arg not in ("main", hub.commit):
-                        return self._plain(404, b'{"error": "Revision Not Found"}', {"X-Error-Code": "RevisionNotFound"})
-                    body = json.dumps({"id": hub.repo, "modelId": hub.repo, "sha": hub.commit, "private": False,
-                                       "siblings": [hub.meta(n) for n in hub.files()]}).encode()
+                        return self._plain(
+                            404, b'{"error": "Revision Not Found"}', {"X-Error-Code": "RevisionNotFound"}
+                        )
+                    body = json.dumps(
+                        {
+                            "id": hub.repo,
+                            "modelId": hub.repo,
+                            "sha": hub.commit,
+                            "private": False,
+                            "siblings": [hub.meta(n) for n in hub.files()],
+                        }
+                    ).encode()
                     return self._plain(200, body, head=head)
                 if kind != "file":
                     return self._plain(404, b'{"error": "not found"}', head=head)
                 rev, name = arg
                 p = hub.root / name
                 if rev not in ("main", hub.commit) or not p.is_file() or ".." in name.split("/"):
-                    return self._plain(404, b'{"error": "Entry not found"}',
-                                       {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": hub.commit}, head=head)
+                    return self._plain(
+                        404,
+                        b'{"error": "Entry not found"}',
+                        {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": hub.commit},
+                        head=head,
+                    )
                 data = p.read_bytes()
                 m = hub.meta(name)
                 hdr = {"X-Repo-Commit": hub.commit, "ETag": f'"{m["blobId"]}"', "Accept-Ranges": "bytes"}

@@ -12,6 +12,7 @@ between these namespaces (addresses 10.213.<k>.0/24 exist only inside them). The
 removes what it created (namespaces, and with them the veths; the bridge), also when setup fails.
 Use `require_netns()` (pytest.skip with the reason) before building a lab.
 """
+
 from __future__ import annotations
 
 import os
@@ -136,13 +137,21 @@ def _env(extra: dict[str, str] | None) -> dict[str, str]:
     return env
 
 
-def run_in_ns(ns: str, argv: Sequence[str], *, timeout: float = 30, check: bool = False,
-              env: dict[str, str] | None = None, **kw: Any) -> subprocess.CompletedProcess:
+def run_in_ns(
+    ns: str,
+    argv: Sequence[str],
+    *,
+    timeout: float = 30,
+    check: bool = False,
+    env: dict[str, str] | None = None,
+    **kw: Any,
+) -> subprocess.CompletedProcess:
     """Run argv inside namespace `ns` (the repo is on PYTHONPATH); captures text output."""
     kw.setdefault("capture_output", True)
     kw.setdefault("text", True)
-    return subprocess.run(["ip", "netns", "exec", ns, *argv], timeout=timeout, check=check, env=_env(env),
-                          cwd=str(REPO), **kw)
+    return subprocess.run(
+        ["ip", "netns", "exec", ns, *argv], timeout=timeout, check=check, env=_env(env), cwd=str(REPO), **kw
+    )
 
 
 def popen_in_ns(ns: str, argv: Sequence[str], *, env: dict[str, str] | None = None, **kw: Any) -> subprocess.Popen:

@@ -9,6 +9,7 @@ other kind: `p2pk3 node` processes.
 `ring_in_thread` runs the same ring in a loop of its own thread, for tests whose own code blocks (the CLI
 runs its own event loops): `ring.call(coro)` runs a coroutine there.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -51,8 +52,13 @@ class InProcessRing:
         from p2pk3.node.daemon import NodeDaemon
         from p2pk3.node.options import NodeOptions
 
-        d = NodeDaemon(self.topo, slot, model_dir=model_dir or self.model_dir, secret=self.secret,
-                       options=NodeOptions(**{**self.options, **options}))
+        d = NodeDaemon(
+            self.topo,
+            slot,
+            model_dir=model_dir or self.model_dir,
+            secret=self.secret,
+            options=NodeOptions(**{**self.options, **options}),
+        )
         self._constructed.append(d)
         await d.start()
         self.daemons.append(d)

@@ -2,6 +2,7 @@
 "model" sampled under the mask all parse and validate (jsonschema is the independent oracle); rollback,
 reset, validate, violations, errors; the vocabulary bytes are the tokenizer's; tool_choice required / named
 (toolgrammar) gives calls that parse and whose arguments validate against their tool's parameters."""
+
 import builtins
 import json
 from pathlib import Path
@@ -26,33 +27,96 @@ MODEL = Path(__file__).resolve().parents[1] / "p2pk3/assets/k3-docs"
 S = {"type": "string", "maxLength": 12}
 
 SCHEMAS = [
-    {"type": "object", "additionalProperties": False, "required": ["name", "role"],
-     "properties": {"name": S, "role": {"enum": ["admin", "user", "guest"]}}},
-    {"type": "object", "additionalProperties": False, "required": ["a"],
-     "properties": {"a": {"type": "object", "additionalProperties": False, "required": ["b", "n"],
-                          "properties": {"n": {"type": "integer"},
-                                         "b": {"type": "object", "additionalProperties": False, "required": ["c"],
-                                               "properties": {"c": {"type": "boolean"}}}}}}},
-    {"type": "object", "additionalProperties": False, "required": ["items"],
-     "properties": {"items": {"type": "array", "minItems": 1, "maxItems": 4, "items": {
-         "type": "object", "additionalProperties": False, "required": ["id", "label"],
-         "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}, "label": S}}}}},
-    {"type": "object", "additionalProperties": False, "required": ["v"],
-     "properties": {"v": {"enum": ["x", 3, None, True]}}},
-    {"type": "object", "additionalProperties": False, "required": ["flag", "nothing", "kind"],
-     "properties": {"flag": {"type": "boolean"}, "nothing": {"type": "null"}, "kind": {"const": "fixed"}}},
-    {"type": "object", "additionalProperties": False, "required": ["year", "month"],
-     "properties": {"year": {"type": "integer", "minimum": 1900, "maximum": 2100},
-                    "month": {"type": "integer", "minimum": 1, "maximum": 12}}},
-    {"type": "object", "additionalProperties": False, "required": ["id"],
-     "properties": {"id": {"type": "integer"}, "note": S, "tags": {"type": "array", "maxItems": 3, "items": S}}},
+    {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["name", "role"],
+        "properties": {"name": S, "role": {"enum": ["admin", "user", "guest"]}},
+    },
+    {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["a"],
+        "properties": {
+            "a": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["b", "n"],
+                "properties": {
+                    "n": {"type": "integer"},
+                    "b": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["c"],
+                        "properties": {"c": {"type": "boolean"}},
+                    },
+                },
+            }
+        },
+    },
+    {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["items"],
+        "properties": {
+            "items": {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": 4,
+                "items": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["id", "label"],
+                    "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}, "label": S},
+                },
+            }
+        },
+    },
+    {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["v"],
+        "properties": {"v": {"enum": ["x", 3, None, True]}},
+    },
+    {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["flag", "nothing", "kind"],
+        "properties": {"flag": {"type": "boolean"}, "nothing": {"type": "null"}, "kind": {"const": "fixed"}},
+    },
+    {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["year", "month"],
+        "properties": {
+            "year": {"type": "integer", "minimum": 1900, "maximum": 2100},
+            "month": {"type": "integer", "minimum": 1, "maximum": 12},
+        },
+    },
+    {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["id"],
+        "properties": {"id": {"type": "integer"}, "note": S, "tags": {"type": "array", "maxItems": 3, "items": S}},
+    },
     {"type": "array", "minItems": 2, "maxItems": 5, "items": {"enum": ["red", "green", "blue"]}},
-    {"type": "object", "additionalProperties": False, "required": ["value"],
-     "properties": {"value": {"anyOf": [{"type": "integer"}, S, {"type": "array", "maxItems": 2,
-                                                                  "items": {"type": "boolean"}}]}}},
-    {"type": "object", "additionalProperties": False, "required": ["code", "score"],
-     "properties": {"code": {"type": "string", "pattern": "^[a-z]{3}-[0-9]{2}$"},
-                    "score": {"type": "number", "minimum": 0, "maximum": 1}}},
+    {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["value"],
+        "properties": {
+            "value": {"anyOf": [{"type": "integer"}, S, {"type": "array", "maxItems": 2, "items": {"type": "boolean"}}]}
+        },
+    },
+    {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["code", "score"],
+        "properties": {
+            "code": {"type": "string", "pattern": "^[a-z]{3}-[0-9]{2}$"},
+            "score": {"type": "number", "minimum": 0, "maximum": 1},
+        },
+    },
 ]
 
 
@@ -88,7 +152,7 @@ def generate(m: GrammarMatcher, gen: torch.Generator, boost: list[int], max_toke
 def test_200_adversarial_generations_parse_and_validate(tok, gtok):
     gen = torch.Generator().manual_seed(1234)
     specials = sorted(tok.special.values())
-    quote_ids = [i for i, b in enumerate(token_bytes(tok)[0]) if b in (b'"', b'}', b']', b'\n', b' ')]
+    quote_ids = [i for i, b in enumerate(token_bytes(tok)[0]) if b in (b'"', b"}", b"]", b"\n", b" ")]
     results = []
     for k, schema in enumerate(SCHEMAS):
         jsonschema.Draft202012Validator.check_schema(schema)
@@ -119,7 +183,7 @@ def test_rollback_replays_to_the_same_state(tok, gtok):
     for k in (1, 3, len(ids) // 2, len(ids)):
         m.rollback(k)
         assert torch.equal(m.allowed(), masks[len(ids) - k]), k
-        for t in ids[len(ids) - k:]:
+        for t in ids[len(ids) - k :]:
             m.advance(t)
     assert m.done and m.accepting and m.tokens == ids
     stop = m.gtok.stop_ids[0]
@@ -144,7 +208,7 @@ def test_mask_forbids_and_violation_is_refused(tok, gtok):
     m = GrammarMatcher(gtok, {"type": "json_object"})
     allowed = m.allowed()
     assert allowed.shape == (gtok.vocab_size,) and allowed.dtype == torch.bool
-    assert not allowed[tok.vocab_size:].any()  # padded ids
+    assert not allowed[tok.vocab_size :].any()  # padded ids
     assert not allowed[list(tok.special.values())].any()  # no special token at the start
     first = [i for i, b in enumerate(token_bytes(tok)[0]) if allowed[i]]
     assert all(token_bytes(tok)[0][i].lstrip(b" \n\r\t")[:1] in (b"{", b"") for i in first)
@@ -155,7 +219,7 @@ def test_mask_forbids_and_violation_is_refused(tok, gtok):
     logits = torch.zeros(2 * gtok.vocab_size).view(1, -1)[:, : gtok.vocab_size + 10]  # wider than the grammar
     m.apply(logits)
     assert torch.equal(torch.isfinite(logits[0, : gtok.vocab_size]), allowed)
-    assert not torch.isfinite(logits[0, gtok.vocab_size:]).any()
+    assert not torch.isfinite(logits[0, gtok.vocab_size :]).any()
     for t in tok.encode('{"k": [1, {"z": null}]}'):
         m.advance(t)
     assert m.done and set(m.allowed().nonzero().flatten().tolist()) == set(gtok.stop_ids)
@@ -170,8 +234,12 @@ def test_response_format_errors(gtok):
     assert response_format_schema(None) == (None, False)
     assert response_format_schema({"type": "text"}) == (None, False)
     assert response_format_schema({"type": "json_object"}) == ({"type": "object"}, False)
-    for bad, msg in [({"type": "xml"}, "must be"), ({"type": "json_schema"}, "json_schema"),
-                     ({"type": "json_schema", "json_schema": {"schema": 3}}, "JSON schema object"), ("x", "object")]:
+    for bad, msg in [
+        ({"type": "xml"}, "must be"),
+        ({"type": "json_schema"}, "json_schema"),
+        ({"type": "json_schema", "json_schema": {"schema": 3}}, "JSON schema object"),
+        ("x", "object"),
+    ]:
         with pytest.raises(GrammarError, match=msg):
             response_format_schema(bad)
     with pytest.raises(GrammarError, match="cannot be enforced|schema"):
@@ -216,8 +284,11 @@ def test_token_bytes_tiktoken_and_sentencepiece(tmp_path):
     for m in (b"th", b"the", "ü".encode()[:1] + b"x"):
         ranks[m] = len(ranks)
     (tt / "tiktoken.model").write_text("".join(f"{base64.b64encode(b).decode()} {r}\n" for b, r in ranks.items()))
-    (tt / "tokenizer_config.json").write_text(json.dumps({"eos_token": "[EOS]", "added_tokens_decoder": {
-        str(len(ranks)): {"content": "[EOS]", "special": True}}}))
+    (tt / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"eos_token": "[EOS]", "added_tokens_decoder": {str(len(ranks)): {"content": "[EOS]", "special": True}}}
+        )
+    )
     t = load_tokenizer(tt)
     tb, special = token_bytes(t)
     assert tb[: len(ranks)] == list(ranks) and tb[len(ranks)] == b"[EOS]" and special == {len(ranks)}
@@ -240,16 +311,28 @@ def test_strict_refuses_what_cannot_be_enforced(gtok):
     GrammarMatcher(gtok, rf(schema, strict=False))  # without strict the keyword is ignored, the rest enforced
 
 
-WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
-           "properties": {"city": S, "unit": {"enum": ["celsius", "fahrenheit"]}}}
-SEARCH = {"type": "object", "additionalProperties": False, "required": ["q"],
-          "properties": {"q": S, "n": {"type": "integer", "minimum": 1, "maximum": 10}}}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "search", "parameters": SEARCH}}]
+WEATHER = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["city", "unit"],
+    "properties": {"city": S, "unit": {"enum": ["celsius", "fahrenheit"]}},
+}
+SEARCH = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["q"],
+    "properties": {"q": S, "n": {"type": "integer", "minimum": 1, "maximum": 10}},
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "search", "parameters": SEARCH}},
+]
 
 
-@pytest.mark.parametrize("choice,parallel", [("required", True), ("required", False),
-                                             ({"type": "function", "function": {"name": "search"}}, True)])
+@pytest.mark.parametrize(
+    "choice,parallel",
+    [("required", True), ("required", False), ({"type": "function", "function": {"name": "search"}}, True)],
+)
 def test_forced_tool_calls_parse_into_valid_calls(tok, gtok, choice, parallel):
     from p2pk3.agent.toolcalls import ToolCallFormat, parse_tool_calls
     from p2pk3.agent.toolgrammar import tool_call_grammar
@@ -285,8 +368,11 @@ def test_tool_choice_errors(tok, gtok):
     fmt = ToolCallFormat("<|reserved_token_7|>", "<|reserved_token_8|>", "<|reserved_token_9|>")
     assert tool_call_grammar(fmt, TOOLS, "auto", gtok.special) is None
     assert tool_call_grammar(fmt, TOOLS, None, gtok.special) is None
-    for tools, choice, msg in [(TOOLS, {"type": "function", "function": {"name": "nope"}}, "not among the tools"),
-                               ([], "required", "non-empty tools"), (TOOLS, "always", "tool_choice must be")]:
+    for tools, choice, msg in [
+        (TOOLS, {"type": "function", "function": {"name": "nope"}}, "not among the tools"),
+        ([], "required", "non-empty tools"),
+        (TOOLS, "always", "tool_choice must be"),
+    ]:
         with pytest.raises(GrammarError, match=msg):
             tool_call_grammar(fmt, tools, choice, gtok.special)
     with pytest.raises(GrammarError, match="no tool-call tokens"):
@@ -297,5 +383,5 @@ def test_tool_choice_errors(tok, gtok):
     m = GrammarMatcher(gtok, lark=lark)
     ids = tok.encode('<call>functions.search:0<args>{"q": "a"}</call>')
     assert m.validate(ids) == len(ids)
-    ids_bad = tok.encode('<call>functions.get_weather:0<args>')
+    ids_bad = tok.encode("<call>functions.get_weather:0<args>")
     assert m.validate(ids_bad) < len(ids_bad)

@@ -2,6 +2,7 @@
 tokenizer + template and none from the embedded model; complete parse; streaming deltas in OpenAI's order
 that add up to the complete parse for every way of cutting the text; malformed calls reported; round trip of
 the parsed calls through the template."""
+
 import json
 import random
 from pathlib import Path
@@ -35,13 +36,31 @@ KIMI_TEMPLATE = (
     "{%- elif m['role'] == 'tool' -%}<|im_system|>tool<|im_middle|>## Return of {{ m['tool_call_id'] }}\n"
     "{{ m['content'] }}<|im_end|>"
     "{%- else -%}<|im_user|>{{ m['role'] }}<|im_middle|>{{ m['content'] }}<|im_end|>{%- endif -%}"
-    "{%- endfor -%}{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}")
-KIMI_SPECIALS = ["[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>",
-                 SB, SE, CB, AB, CE, "<|reserved_token_7|>", "<think>", "</think>"]
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
-         {"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
+    "{%- endfor -%}{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+)
+KIMI_SPECIALS = [
+    "[BOS]",
+    "[EOS]",
+    "<|im_end|>",
+    "<|im_user|>",
+    "<|im_assistant|>",
+    "<|im_system|>",
+    "<|im_middle|>",
+    SB,
+    SE,
+    CB,
+    AB,
+    CE,
+    "<|reserved_token_7|>",
+    "<think>",
+    "</think>",
+]
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}},
+]
 ARGS1, ARGS2 = '{"city": "Paris", "days": [1, 2]}', '{"q": "k3 \\"ring\\"", "n": 3}'
-OUTPUT = (f"Let me check.{SB}{CB}functions.get_weather:0{AB}{ARGS1}{CE}{CB}functions.search:1{AB}{ARGS2}{CE}{SE}")
+OUTPUT = f"Let me check.{SB}{CB}functions.get_weather:0{AB}{ARGS1}{CE}{CB}functions.search:1{AB}{ARGS2}{CE}{SE}"
 
 
 @pytest.fixture
@@ -54,8 +73,13 @@ def fmt():
 def test_discovery_by_role_and_template():
     assert discover_tool_format(KIMI_SPECIALS, None) == ToolCallFormat(CB, AB, CE, SB, SE)
     # other spellings of the same roles
-    alt = ["<|tool_calls_start|>", "<|tool_calls_end|>", "<|tool_call_start|>", "<|tool_call_arguments_begin|>",
-           "<|tool_call_end|>"]
+    alt = [
+        "<|tool_calls_start|>",
+        "<|tool_calls_end|>",
+        "<|tool_call_start|>",
+        "<|tool_call_arguments_begin|>",
+        "<|tool_call_end|>",
+    ]
     assert discover_tool_format(alt, "".join(alt)) == ToolCallFormat(alt[2], alt[3], alt[4], alt[0], alt[1])
     # without section tokens: calls stand alone
     assert discover_tool_format([CB, AB, CE], CB + AB + CE) == ToolCallFormat(CB, AB, CE)
@@ -64,11 +88,13 @@ def test_discovery_by_role_and_template():
     assert isinstance(none, NoToolFormat) and not none and "no tool-call tokens" in none.reason
     assert "pairs" in discover_tool_format([CB, AB, CE, SB], None).reason
     assert discover_reasoning_format(KIMI_SPECIALS, KIMI_TEMPLATE) == ReasoningFormat("<think>", "</think>")
-    assert discover_reasoning_format(["<|think_begin|>", "<|think_end|>"], None) == \
-        ReasoningFormat("<|think_begin|>", "<|think_end|>")
+    assert discover_reasoning_format(["<|think_begin|>", "<|think_end|>"], None) == ReasoningFormat(
+        "<|think_begin|>", "<|think_end|>"
+    )
     # literal tags in a template whose tokenizer has no thinking token
-    assert discover_reasoning_format(["<|im_end|>"], "{{ '<think>' }}{{ r }}{{ '</think>' }}") == \
-        ReasoningFormat("<think>", "</think>")
+    assert discover_reasoning_format(["<|im_end|>"], "{{ '<think>' }}{{ r }}{{ '</think>' }}") == ReasoningFormat(
+        "<think>", "</think>"
+    )
 
 
 def test_embedded_model_has_neither():
@@ -87,22 +113,34 @@ def test_complete_parse(fmt):
     p = parse_tool_calls(OUTPUT, fmt, tools=TOOLS)
     assert p.errors == [] and p.content == "Let me check." and p.finish_reason == "tool_calls"
     assert p.tool_calls == [
-        {"index": 0, "id": "functions.get_weather:0", "type": "function",
-         "function": {"name": "get_weather", "arguments": ARGS1}},
-        {"index": 1, "id": "functions.search:1", "type": "function", "function": {"name": "search", "arguments": ARGS2}}]
+        {
+            "index": 0,
+            "id": "functions.get_weather:0",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": ARGS1},
+        },
+        {
+            "index": 1,
+            "id": "functions.search:1",
+            "type": "function",
+            "function": {"name": "search", "arguments": ARGS2},
+        },
+    ]
     assert json.loads(p.tool_calls[1]["function"]["arguments"]) == {"q": 'k3 "ring"', "n": 3}
     plain = parse_tool_calls("no calls here", fmt, tools=TOOLS)
     assert plain.content == "no calls here" and plain.tool_calls == [] and plain.finish_reason is None
 
 
 def test_malformed_calls_are_reported_not_raised(fmt):
-    text = (f"{SB}{CB}functions.get_weather:0{AB}{{bad json{CE}{CB}functions.launch:1{AB}{{}}{CE}"
-            f"{CB}functions.search:2{AB}[1, 2]{CE}{CB}functions.search:3{AB}{ARGS2}{CE}{SE}")
+    text = (
+        f"{SB}{CB}functions.get_weather:0{AB}{{bad json{CE}{CB}functions.launch:1{AB}{{}}{CE}"
+        f"{CB}functions.search:2{AB}[1, 2]{CE}{CB}functions.search:3{AB}{ARGS2}{CE}{SE}"
+    )
     p = parse_tool_calls(text, fmt, tools=TOOLS)
     assert [c["function"]["name"] for c in p.tool_calls] == ["search"] and p.tool_calls[0]["index"] == 0
     assert len(p.errors) == 3
     assert "not valid JSON" in p.errors[0] and "'launch'" in p.errors[1] and "JSON object" in p.errors[2]
-    cut = parse_tool_calls(f"{SB}{CB}functions.search:0{AB}{{\"q\": ", fmt, tools=TOOLS)
+    cut = parse_tool_calls(f'{SB}{CB}functions.search:0{AB}{{"q": ', fmt, tools=TOOLS)
     assert cut.tool_calls == [] and "cut off" in cut.errors[0]
     stray = parse_tool_calls(f"a{AB}b", fmt)
     assert stray.content == "ab" and "out of place" in stray.errors[0]
@@ -135,8 +173,12 @@ def collect(deltas):
             if "id" in tc:
                 assert tc["index"] not in calls and tc["type"] == "function"
                 assert tc["function"]["arguments"] == "" and tc["function"]["name"]
-                calls[tc["index"]] = {"index": tc["index"], "id": tc["id"], "type": "function",
-                                      "function": {"name": tc["function"]["name"], "arguments": ""}}
+                calls[tc["index"]] = {
+                    "index": tc["index"],
+                    "id": tc["id"],
+                    "type": "function",
+                    "function": {"name": tc["function"]["name"], "arguments": ""},
+                }
             else:
                 assert set(tc) == {"index", "function"} and set(tc["function"]) == {"arguments"}
                 calls[tc["index"]]["function"]["arguments"] += tc["function"]["arguments"]
@@ -153,8 +195,9 @@ def test_streaming_equals_complete_for_every_cut(fmt, seed):
             tail, finish = s.finish()
             content, calls = collect(deltas + tail)
             assert content == want.content, (seed, text)
-            assert [dict(c, function=dict(c["function"], arguments=c["function"]["arguments"].strip()))
-                    for c in calls] == want.tool_calls, seed
+            assert [
+                dict(c, function=dict(c["function"], arguments=c["function"]["arguments"].strip())) for c in calls
+            ] == want.tool_calls, seed
             assert finish == want.finish_reason and s.errors == want.errors and s.tool_calls == want.tool_calls
 
 
@@ -165,8 +208,18 @@ def test_stream_delta_order(fmt):
         out.append(s.feed(p))
     tail, finish = s.finish()
     assert out[:5] == [[{"content": "Let me"}], [{"content": " check."}], [], [], []]
-    assert out[6] == [{"tool_calls": [{"index": 0, "id": "functions.get_weather:0", "type": "function",
-                                       "function": {"name": "get_weather", "arguments": ""}}]}]
+    assert out[6] == [
+        {
+            "tool_calls": [
+                {
+                    "index": 0,
+                    "id": "functions.get_weather:0",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": ""},
+                }
+            ]
+        }
+    ]
     assert out[7] == [{"tool_calls": [{"index": 0, "function": {"arguments": '{"city"'}}]}]
     assert out[8] == [{"tool_calls": [{"index": 0, "function": {"arguments": ': "Paris"}'}}]}]
     assert out[9:] == [[], []] and tail == [] and finish == "tool_calls"
@@ -188,11 +241,13 @@ def test_round_trip_through_the_template(fmt):
 def test_reasoning_complete_and_streamed(seed):
     rng = random.Random(seed)
     fmt = ReasoningFormat("<think>", "</think>")
-    cases = [("<think>plan it</think>The answer.", "plan it", "The answer."),
-             ("Direct answer.", None, "Direct answer."),
-             ("<think>cut off while thin", "cut off while thin", ""),
-             ("a<think>r1</think>b<think>r2</think>c", "r1r2", "abc"),
-             ("x </think> y", None, "x </think> y")]
+    cases = [
+        ("<think>plan it</think>The answer.", "plan it", "The answer."),
+        ("Direct answer.", None, "Direct answer."),
+        ("<think>cut off while thin", "cut off while thin", ""),
+        ("a<think>r1</think>b<think>r2</think>c", "r1r2", "abc"),
+        ("x </think> y", None, "x </think> y"),
+    ]
     for text, reasoning, content in cases:
         p = split_reasoning(text, fmt)
         assert (p.reasoning_content, p.content) == (reasoning, content), text
@@ -216,7 +271,6 @@ def test_marker_splitter_holds_back_only_prefixes():
     assert s.feed("<|tool_") == []
     assert s.feed("call_begin|><think") == [("marker", "<|tool_call_begin|>")]
     assert s.flush() == [("text", "<think")]
-    assert find_markers("<think><think>x", ["<think>"]) == [("marker", "<think>"), ("marker", "<think>"),
-                                                           ("text", "x")]
+    assert find_markers("<think><think>x", ["<think>"]) == [("marker", "<think>"), ("marker", "<think>"), ("text", "x")]
     with pytest.raises(ValueError):
         MarkerSplitter([""])

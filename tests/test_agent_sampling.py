@@ -1,5 +1,6 @@
 """Logprobs (p2pk3.agent.logprobs) and penalties (p2pk3.agent.penalties) against plain-Python oracles written
 here: a float64 log-sum-exp per row for the logprobs, a per-row per-id loop for the penalties."""
+
 import math
 import random
 from pathlib import Path
@@ -82,7 +83,7 @@ def test_completions_shape_and_echo(tok):
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(len(ids), len(tb), generator=g)  # row i predicts token i + 1
     echo = prompt_logprobs(logits[: len(prompt)], prompt, top=3)
-    gen = token_logprobs(logits[len(prompt) - 1: len(ids) - 1], completion, top=3)
+    gen = token_logprobs(logits[len(prompt) - 1 : len(ids) - 1], completion, top=3)
     body = completion_logprobs(echo + gen, tb)
     assert set(body) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
     assert body["token_logprobs"][0] is None and body["top_logprobs"][0] is None
@@ -92,8 +93,10 @@ def test_completions_shape_and_echo(tok):
         top = sorted(range(len(tb)), key=lambda i: -want[i])[:3]
         assert list(body["top_logprobs"][t].values()) == pytest.approx([want[i] for i in top], abs=1e-5)
     # the same prompt logprobs when all P rows are given (the last one is not used)
-    assert prompt_logprobs(logits[: len(prompt) + 1][:-1], prompt).logprobs == \
-        prompt_logprobs(logits[: len(prompt) - 1], prompt).logprobs
+    assert (
+        prompt_logprobs(logits[: len(prompt) + 1][:-1], prompt).logprobs
+        == prompt_logprobs(logits[: len(prompt) - 1], prompt).logprobs
+    )
     # text_offset: characters of the decoded text before each token
     for t in range(len(ids)):
         assert body["text_offset"][t] == len(b"".join(tb[i] for i in ids[:t]).decode("utf-8", errors="ignore"))
@@ -123,10 +126,14 @@ def oracle_penalties(row, p: Penalties, prompt, output):
 def test_penalties_match_the_oracle(seed):
     rng = random.Random(seed)
     v = 64
-    params = [Penalties(), Penalties(frequency_penalty=0.7), Penalties(presence_penalty=-1.5),
-              Penalties(repetition_penalty=1.3), Penalties(repetition_penalty=0.8, frequency_penalty=2.0,
-                                                            presence_penalty=0.5, logit_bias={3: 100.0, 7: -42.5}),
-              Penalties(logit_bias=parse_logit_bias({"5": 250, "9": -1000, "0": 1.5}, v))]
+    params = [
+        Penalties(),
+        Penalties(frequency_penalty=0.7),
+        Penalties(presence_penalty=-1.5),
+        Penalties(repetition_penalty=1.3),
+        Penalties(repetition_penalty=0.8, frequency_penalty=2.0, presence_penalty=0.5, logit_bias={3: 100.0, 7: -42.5}),
+        Penalties(logit_bias=parse_logit_bias({"5": 250, "9": -1000, "0": 1.5}, v)),
+    ]
     b = len(params)
     logits = torch.randn(b, v) * 3
     prompt = [[rng.randrange(v) for _ in range(rng.randint(0, 20))] for _ in range(b)]
@@ -158,12 +165,19 @@ def test_min_p_matches_the_oracle(seed):
 
 
 def test_penalty_errors():
-    for kw, msg in [({"frequency_penalty": 2.5}, "between -2 and 2"), ({"repetition_penalty": 0}, "> 0"),
-                    ({"min_p": 1.5}, "between 0 and 1")]:
+    for kw, msg in [
+        ({"frequency_penalty": 2.5}, "between -2 and 2"),
+        ({"repetition_penalty": 0}, "> 0"),
+        ({"min_p": 1.5}, "between 0 and 1"),
+    ]:
         with pytest.raises(PenaltyError, match=msg):
             Penalties(**kw)
-    for bias, msg in [({"x": 1}, "not a token id"), ({"99": 1}, "outside the vocabulary"), ({"1": "a"}, "number"),
-                      ([1], "object")]:
+    for bias, msg in [
+        ({"x": 1}, "not a token id"),
+        ({"99": 1}, "outside the vocabulary"),
+        ({"1": "a"}, "number"),
+        ([1], "object"),
+    ]:
         with pytest.raises(PenaltyError, match=msg):
             parse_logit_bias(bias, 10)
     p = Penalties.from_request({"frequency_penalty": 1, "presence_penalty": None, "logit_bias": {"2": 3}}, 10)

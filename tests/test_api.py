@@ -1,6 +1,7 @@
 """The OpenAI-compatible API (p2pk3/api): the official `openai` client against `p2pk3 serve` in front of a
 live ring of 4 `p2pk3 node` processes on the embedded model; plus in-process checks of the stop-sequence
 matcher and of the error mapping (a fake cluster, a cluster with no node up)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -28,9 +29,16 @@ from p2pk3.topology import Topology
 KEY = "sk-test-0123456789"
 MODEL = default_model_dir().name  # the embedded default (k3-docs)
 QUESTION = "What does the yield keyword do?"  # the embedded model closes this answer within 64 tokens
-PROMPTS = ["What does the with statement do?", "How do I open a file?", "What is a list comprehension?",
-           "Explain the for statement.", "What is a generator?", "How does import work?",
-           "What is a dictionary?", "What does the yield keyword do?"]
+PROMPTS = [
+    "What does the with statement do?",
+    "How do I open a file?",
+    "What is a list comprehension?",
+    "Explain the for statement.",
+    "What is a generator?",
+    "How does import work?",
+    "What is a dictionary?",
+    "What does the yield keyword do?",
+]
 MAX_SESSIONS = 8
 
 
@@ -42,8 +50,12 @@ def tok():
 
 @pytest.fixture(scope="module")
 def ring(tmp_path_factory):
-    r = LocalRing(default_model_dir(), 4, workdir=tmp_path_factory.mktemp("api-ring"),
-                  extra_args=["--max-sessions", str(MAX_SESSIONS)])
+    r = LocalRing(
+        default_model_dir(),
+        4,
+        workdir=tmp_path_factory.mktemp("api-ring"),
+        extra_args=["--max-sessions", str(MAX_SESSIONS)],
+    )
     r.start()
     try:
         yield r
@@ -108,20 +120,24 @@ def test_models_and_auth(api, client):
     async def no_key():
         async with aiohttp.ClientSession() as s, s.get(api.url + "/models") as r:
             return r.status, await r.json()
+
     status, body = asyncio.run(no_key())
     assert status == 401 and body["error"]["code"] == "invalid_api_key", body
+
     # /metrics needs no key
     async def get():
         async with aiohttp.ClientSession() as s, s.get(api.base_url + "/metrics") as r:
             return r.status
+
     assert asyncio.run(get()) == 200
 
 
 @pytest.mark.slow
 def test_chat_stream_equals_full_equals_cli(client, tok):
     full = client.chat.completions.create(model=MODEL, messages=chat(QUESTION), max_tokens=64, temperature=0)
-    text, finish, chunks = stream_chat(client, messages=chat(QUESTION), max_tokens=64, temperature=0,
-                                       stream_options={"include_usage": True})
+    text, finish, chunks = stream_chat(
+        client, messages=chat(QUESTION), max_tokens=64, temperature=0, stream_options={"include_usage": True}
+    )
     assert full.object == "chat.completion" and full.choices[0].message.role == "assistant"
     assert text == full.choices[0].message.content and text
     assert finish == full.choices[0].finish_reason == "stop"
@@ -131,8 +147,12 @@ def test_chat_stream_equals_full_equals_cli(client, tok):
     n_prompt = len(tok.apply_chat_template(chat(QUESTION), add_generation_prompt=True))
     assert full.usage.prompt_tokens == n_prompt
     assert full.usage.total_tokens == n_prompt + full.usage.completion_tokens
-    cli = subprocess.run([sys.executable, "-m", "p2pk3.cli", "generate", "--prompt", QUESTION, "--max-tokens", "64"],
-                         capture_output=True, text=True, timeout=120)
+    cli = subprocess.run(
+        [sys.executable, "-m", "p2pk3.cli", "generate", "--prompt", QUESTION, "--max-tokens", "64"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert cli.returncode == 0, cli.stderr
     assert cli.stdout.removesuffix("\n") == text
 
@@ -172,15 +192,18 @@ def test_stop_sequences(client, ring, tok):
             return (await c.generate(ids, SamplingParams(max_tokens=64, stop_ids=tok.stop_ids))).tokens
         finally:
             c.close()
+
     toks = [t for t in asyncio.run(greedy()) if t not in tok.stop_ids]
-    pieces = [tok.decode(toks[:i + 1], skip_special=True)[len(tok.decode(toks[:i], skip_special=True)):]
-              for i in range(len(toks))]
+    pieces = [
+        tok.decode(toks[: i + 1], skip_special=True)[len(tok.decode(toks[:i], skip_special=True)) :]
+        for i in range(len(toks))
+    ]
     text = "".join(pieces)
     # a stop sequence that spans two tokens: the end of token k and the start of token k + 1
     for k in range(1, len(pieces) - 1):
         a, b = pieces[k], pieces[k + 1]
         stop = a[-2:] + b[:2]
-        at = sum(map(len, pieces[:k + 1])) - len(a[-2:])
+        at = sum(map(len, pieces[: k + 1])) - len(a[-2:])
         if len(a) >= 2 and len(b) >= 2 and text.find(stop) == at:
             break
     else:
@@ -194,15 +217,17 @@ def test_stop_sequences(client, ring, tok):
     # a one-token stop string in completions
     word = pieces[3]
     r = client.completions.create(model=MODEL, prompt=ids, max_tokens=64, stop=word)
-    assert r.choices[0].text == text[:text.find(word)] and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == text[: text.find(word)] and r.choices[0].finish_reason == "stop"
     asyncio.run(wait_idle(ring))  # the requests stopped early were cancelled in the ring
 
 
 @pytest.mark.slow
 def test_concurrent_streams_equal_sequential(client, aclient, ring):
     asyncio.run(wait_idle(ring))
-    seq = [client.chat.completions.create(model=MODEL, messages=chat(p), max_tokens=24).choices[0].message.content
-           for p in PROMPTS]
+    seq = [
+        client.chat.completions.create(model=MODEL, messages=chat(p), max_tokens=24).choices[0].message.content
+        for p in PROMPTS
+    ]
 
     async def one(c, p):
         parts = []
@@ -217,6 +242,7 @@ def test_concurrent_streams_equal_sequential(client, aclient, ring):
             return await asyncio.gather(*(one(c, p) for p in PROMPTS))
         finally:
             await c.close()
+
     assert list(asyncio.run(many())) == seq
     assert len(set(seq)) > 1
 
@@ -249,6 +275,7 @@ def test_bad_bodies_name_the_field(api, client):
             async with s.post(api.url + "/completions", json={"model": MODEL, "prompt": [999999]}) as r:
                 out.append((r.status, await r.json()))
         return out
+
     res = asyncio.run(post_all())
     for (status, body), (_, field) in zip(res, cases):
         assert status == 400 and body["error"]["param"] == field, (field, body)
@@ -276,6 +303,7 @@ def test_disconnect_mid_stream_frees_the_sessions(api, ring):
         t0 = time.monotonic()
         await wait_idle(ring, timeout=10.0)  # 2000 tokens take far longer: only a cancel frees them this soon
         return time.monotonic() - t0
+
     asyncio.run(go())
 
 
@@ -285,8 +313,9 @@ def test_busy_cluster_is_429(aclient, ring):
 
     async def one(c, i):
         try:
-            s = await c.chat.completions.create(model=MODEL, messages=chat(PROMPTS[i % 8]), max_tokens=40,
-                                                stream=True, extra_body={"ignore_eos": True})
+            s = await c.chat.completions.create(
+                model=MODEL, messages=chat(PROMPTS[i % 8]), max_tokens=40, stream=True, extra_body={"ignore_eos": True}
+            )
             n = 0
             async for ch in s:
                 n += bool(ch.choices and ch.choices[0].delta.content)
@@ -301,6 +330,7 @@ def test_busy_cluster_is_429(aclient, ring):
             return await asyncio.gather(*(one(c, i) for i in range(2 * MAX_SESSIONS + 4)))
         finally:
             await c.close()
+
     res = asyncio.run(many())
     assert "busy" in res and any(r != "busy" for r in res), res
 
@@ -310,16 +340,18 @@ def test_metrics(api):
     async def get():
         async with aiohttp.ClientSession() as s, s.get(api.base_url + "/metrics") as r:
             return await r.text()
+
     text = asyncio.run(get())
 
     def value(prefix):
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
+
     assert value('p2pk3_api_requests_total{route="/v1/chat/completions",status="200"}') >= 10
     assert value('p2pk3_api_requests_total{route="/v1/chat/completions",status="400"}') >= 10
     assert value('p2pk3_api_requests_total{route="/v1/chat/completions",status="429"}') >= 1
-    assert value('p2pk3_api_time_to_first_token_seconds_count') >= 10
-    assert value('p2pk3_api_inter_token_latency_seconds_count') >= 100
-    assert value('p2pk3_api_generated_tokens_total') >= 100
+    assert value("p2pk3_api_time_to_first_token_seconds_count") >= 10
+    assert value("p2pk3_api_inter_token_latency_seconds_count") >= 100
+    assert value("p2pk3_api_generated_tokens_total") >= 100
 
 
 @pytest.mark.slow
@@ -359,7 +391,7 @@ class FakeCluster:
         self.tokens, self.error = tokens, error
 
     async def generate(self, prompt, params, on_token=None):
-        for t in self.tokens[:params.max_tokens]:
+        for t in self.tokens[: params.max_tokens]:
             await asyncio.sleep(0)
             on_token(t)
         if self.error:
@@ -368,6 +400,7 @@ class FakeCluster:
 
 async def _serve_app(app):
     from aiohttp import web
+
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
     port = free_ports(1)[0]
@@ -381,20 +414,25 @@ def test_cluster_errors_map_to_http(tok, tmp_path):
     async def go():
         out = {}
         topo = Topology.load(write_local_topology(default_model_dir(), 2, tmp_path))  # nothing listens there
-        apps = {"busy": FakeCluster([], ("busy", "busy: 2 sessions in flight")),
-                "down": FakeCluster([], ("unavailable", "slot s2 is down")),
-                "midstream": FakeCluster(word * 3, ("unavailable", "slot s2 is down")),
-                "nobody": Cluster(topo, connect_timeout_s=0.5)}
+        apps = {
+            "busy": FakeCluster([], ("busy", "busy: 2 sessions in flight")),
+            "down": FakeCluster([], ("unavailable", "slot s2 is down")),
+            "midstream": FakeCluster(word * 3, ("unavailable", "slot s2 is down")),
+            "nobody": Cluster(topo, connect_timeout_s=0.5),
+        }
         for name, cl in apps.items():
             runner, url = await _serve_app(create_app(cl, PromptBuilder(tok, 4096), ApiConfig(MODEL)))
             try:
                 async with aiohttp.ClientSession() as s:
-                    async with s.post(url + "/chat/completions",
-                                      json={"model": MODEL, "messages": chat("hi"), "stream": name == "midstream"}) as r:
+                    async with s.post(
+                        url + "/chat/completions",
+                        json={"model": MODEL, "messages": chat("hi"), "stream": name == "midstream"},
+                    ) as r:
                         out[name] = (r.status, await r.text())
             finally:
                 await runner.cleanup()
         return out
+
     out = asyncio.run(go())
     assert out["busy"][0] == 429 and json.loads(out["busy"][1])["error"]["code"] == "busy"
     assert out["down"][0] == 503 and "slot s2 is down" in json.loads(out["down"][1])["error"]["message"]
@@ -410,8 +448,21 @@ def test_cluster_errors_map_to_http(tok, tmp_path):
 def test_serve_cli_errors(tmp_path):
     topo = write_local_topology(default_model_dir(), 2, tmp_path)
     (tmp_path / "empty").write_text("\n")
-    r = subprocess.run([sys.executable, "-m", "p2pk3.cli", "serve", "--topology", str(topo), "--api-key-file",
-                        str(tmp_path / "empty")], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "p2pk3.cli",
+            "serve",
+            "--topology",
+            str(topo),
+            "--api-key-file",
+            str(tmp_path / "empty"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode != 0 and "Traceback" not in r.stderr and "--api-key-file" in r.stderr
 
 
@@ -420,11 +471,13 @@ def test_model_is_required_and_max_tokens_errors_name_the_field_the_request_used
     not fit the context is refused naming `max_tokens`, not `max_completion_tokens`."""
     ctx = 4096
     q = [{"role": "user", "content": "What is a tuple?"}]
-    cases = [({"messages": q}, "chat", "model"),
-             ({"prompt": "a tuple"}, "", "model"),
-             ({"model": MODEL, "messages": q, "max_tokens": ctx}, "chat", "max_tokens"),
-             ({"model": MODEL, "messages": q, "max_completion_tokens": ctx}, "chat", "max_completion_tokens"),
-             ({"model": MODEL, "prompt": "a tuple", "max_tokens": ctx}, "", "max_tokens")]
+    cases = [
+        ({"messages": q}, "chat", "model"),
+        ({"prompt": "a tuple"}, "", "model"),
+        ({"model": MODEL, "messages": q, "max_tokens": ctx}, "chat", "max_tokens"),
+        ({"model": MODEL, "messages": q, "max_completion_tokens": ctx}, "chat", "max_completion_tokens"),
+        ({"model": MODEL, "prompt": "a tuple", "max_tokens": ctx}, "", "max_tokens"),
+    ]
 
     async def go():
         runner, url = await _serve_app(create_app(FakeCluster([5]), PromptBuilder(tok, ctx), ApiConfig(MODEL)))
@@ -439,6 +492,7 @@ def test_model_is_required_and_max_tokens_errors_name_the_field_the_request_used
         finally:
             await runner.cleanup()
         return out
+
     res = asyncio.run(go())
     for (status, body), (_, _, field) in zip(res, cases):
         assert status == 400 and body["error"]["param"] == field, (field, body)

@@ -1,4 +1,5 @@
 """`p2pk3 chat`: the REPL through a pseudo-terminal and through a pipe, against a live 2-node ring."""
+
 import asyncio
 import os
 import subprocess
@@ -40,6 +41,7 @@ def greedy_answer(ring, tok, messages, max_tokens):
             return await c.generate(ids, SamplingParams(max_tokens=max_tokens, stop_ids=tok.stop_ids))
         finally:
             c.close()
+
     r = asyncio.run(go())
     return tok.decode([t for t in r.tokens if t not in tok.stop_ids], skip_special=True)
 
@@ -86,20 +88,24 @@ def test_line_reader_continuation_and_blocks(monkeypatch):
 
 def test_usage_errors_are_one_line(tmp_path):
     runner = CliRunner()
-    for args, code, says in ((["chat"], 2, "give one of"),
-                             (["chat", "--connect", "nohost", "--secret-file", "x"], 2, "not HOST:PORT"),
-                             (["chat", "--connect", "127.0.0.1:1"], 2, "needs the secret")):
+    for args, code, says in (
+        (["chat"], 2, "give one of"),
+        (["chat", "--connect", "nohost", "--secret-file", "x"], 2, "not HOST:PORT"),
+        (["chat", "--connect", "127.0.0.1:1"], 2, "needs the secret"),
+    ):
         r = runner.invoke(main, args)
         assert r.exit_code == code and says in r.output and "Traceback" not in r.output, r.output
     secret = tmp_path / "k"
     secret.write_text("0" * 64)
     import socket
+
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()  # nothing listens there now
-    r = runner.invoke(main, ["chat", "--connect", f"127.0.0.1:{port}", "--secret-file", str(secret), "--no-history"],
-                      input="hi\n")
+    r = runner.invoke(
+        main, ["chat", "--connect", f"127.0.0.1:{port}", "--secret-file", str(secret), "--no-history"], input="hi\n"
+    )
     assert r.exit_code == 1 and "could not reach the cluster" in r.output and "Traceback" not in r.output, r.output
 
 
@@ -148,12 +154,21 @@ def test_repl_on_a_terminal(ring, tmp_path):
 @pytest.mark.slow
 def test_piped_stdin_one_message_per_line(ring, tok):
     script = "What is a list?\n/temp x\nWhat is a tuple?\n/stats\n/quit\nnever sent\n"
-    r = subprocess.run(CHAT + ["--topology", str(ring.topology), "--max-tokens", "16"], input=script, text=True,
-                       capture_output=True, timeout=120, cwd=ring.workdir)
+    r = subprocess.run(
+        CHAT + ["--topology", str(ring.topology), "--max-tokens", "16"],
+        input=script,
+        text=True,
+        capture_output=True,
+        timeout=120,
+        cwd=ring.workdir,
+    )
     assert r.returncode == 0, r.stderr
     first = greedy_answer(ring, tok, [{"role": "user", "content": "What is a list?"}], 16)
-    history = [{"role": "user", "content": "What is a list?"}, {"role": "assistant", "content": first.strip()},
-               {"role": "user", "content": "What is a tuple?"}]
+    history = [
+        {"role": "user", "content": "What is a list?"},
+        {"role": "assistant", "content": first.strip()},
+        {"role": "user", "content": "What is a tuple?"},
+    ]
     second = greedy_answer(ring, tok, history, 16)
     assert r.stdout == first + "\n" + second + "\n"  # each answer on its line, nothing else on stdout
     turn2 = tok.apply_chat_template(history, add_generation_prompt=True)
@@ -166,6 +181,18 @@ def test_piped_stdin_one_message_per_line(ring, tok):
 @pytest.mark.slow
 def test_connect_with_secret_file(ring):
     h, p = ring.entry_addr
-    r = CliRunner().invoke(main, ["chat", "--connect", f"{h}:{p}", "--secret-file", str(ring.workdir / "secret"),
-                                  "--max-tokens", "4", "--no-history"], input="What is a list?\n")
+    r = CliRunner().invoke(
+        main,
+        [
+            "chat",
+            "--connect",
+            f"{h}:{p}",
+            "--secret-file",
+            str(ring.workdir / "secret"),
+            "--max-tokens",
+            "4",
+            "--no-history",
+        ],
+        input="What is a list?\n",
+    )
     assert r.exit_code == 0 and r.stdout.strip() and "[4 tokens" in r.stderr, (r.output, r.exception)

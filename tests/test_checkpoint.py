@@ -1,4 +1,5 @@
 """Checkpoint writer (p2pk3.checkpoint.tiny) and lazy loader (p2pk3.checkpoint.loader)."""
+
 from __future__ import annotations
 
 import json
@@ -14,7 +15,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import p2pk3.checkpoint.loader as loader_mod  # noqa: E402
 from p2pk3.checkpoint.loader import (  # noqa: E402
-    CheckpointError, CheckpointReader, load_stage_weights, stage_tensor_specs,
+    CheckpointError,
+    CheckpointReader,
+    load_stage_weights,
+    stage_tensor_specs,
 )
 from p2pk3.model.config import TINY_K3, TINY_KIMI_LINEAR, K3Config  # noqa: E402
 from p2pk3.model.weights import all_tensors, embed_tensors, head_tensors, layer_tensors  # noqa: E402
@@ -72,14 +76,19 @@ def k3_ckpt(tmp_path_factory):
 # ------------------------------------------------------------------ writer
 def test_writer_layout_k3(k3_ckpt):
     files = sorted(p.name for p in k3_ckpt.iterdir())
-    assert files == ["config.json", "model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
-                     "model-00003-of-00003.safetensors", INDEX]
+    assert files == [
+        "config.json",
+        "model-00001-of-00003.safetensors",
+        "model-00002-of-00003.safetensors",
+        "model-00003-of-00003.safetensors",
+        INDEX,
+    ]
     assert K3Config.from_pretrained(k3_ckpt) == TINY_K3
     idx = json.loads((k3_ckpt / INDEX).read_text())
     wm = idx["weight_map"]
     text = {n for n in wm if n.startswith("language_model.")}
     other = set(wm) - text
-    assert {n[len("language_model."):] for n in text} == all_names(TINY_K3)
+    assert {n[len("language_model.") :] for n in text} == all_names(TINY_K3)
     assert other and all(n.startswith(("vision_tower.", "mm_projector.")) for n in other)
     assert any(n.startswith("vision_tower.") for n in other) and any(n.startswith("mm_projector.") for n in other)
     assert "language_model.lm_head.weight" in wm and "language_model.model.embed_tokens.weight" in wm
@@ -89,7 +98,7 @@ def test_writer_layout_k3(k3_ckpt):
             assert wm[n] == fn
             total += t.numel() * t.element_size()
             if n.startswith("language_model."):
-                assert t.dtype == all_tensors(TINY_K3)[n[len("language_model."):]].dtype, n
+                assert t.dtype == all_tensors(TINY_K3)[n[len("language_model.") :]].dtype, n
     assert idx["metadata"]["total_size"] == total
 
 
@@ -108,8 +117,10 @@ def test_writer_random_init_is_sane():
     assert sd["model.layers.0.self_attn.dt_bias"].abs().max() < 1.0
     q = sd["model.layers.0.self_attn.q_proj.weight"].float()
     assert abs(q.std().item() * math.sqrt(cfg.hidden_size) - 1) < 0.1
-    e = dequantize_mxfp4(sd["model.layers.1.block_sparse_moe.experts.3.w2.weight_packed"],
-                         sd["model.layers.1.block_sparse_moe.experts.3.w2.weight_scale"])
+    e = dequantize_mxfp4(
+        sd["model.layers.1.block_sparse_moe.experts.3.w2.weight_packed"],
+        sd["model.layers.1.block_sparse_moe.experts.3.w2.weight_scale"],
+    )
     assert abs(e.std().item() * math.sqrt(cfg.moe_intermediate_size) - 1) < 0.2
     for n, t in sd.items():
         assert torch.isfinite(t.float()).all(), n
@@ -117,13 +128,16 @@ def test_writer_random_init_is_sane():
 
 def test_writer_is_fast(tmp_path):
     import time
+
     t0 = time.perf_counter()
     write_checkpoint(tmp_path, TINY_K3, shards=3)
     assert time.perf_counter() - t0 < 1.0
 
 
 def test_cli(tmp_path):
-    assert cli_main(["--preset", "tiny-kimi-linear", "--out", str(tmp_path / "kl"), "--seed", "2", "--shards", "2"]) == 0
+    assert (
+        cli_main(["--preset", "tiny-kimi-linear", "--out", str(tmp_path / "kl"), "--seed", "2", "--shards", "2"]) == 0
+    )
     assert (tmp_path / "kl" / INDEX).exists()
     assert K3Config.from_pretrained(tmp_path / "kl") == TINY_KIMI_LINEAR
     w = load_stage_weights(tmp_path / "kl", TINY_KIMI_LINEAR, range(4), embed=True, head=True)
@@ -131,10 +145,17 @@ def test_cli(tmp_path):
 
 
 # ------------------------------------------------------------------ loader: layouts
-@pytest.mark.parametrize("cfg,prefix,shards", [
-    (TINY_K3, None, 3), (TINY_K3, "", 2), (TINY_K3, None, 1),
-    (TINY_KIMI_LINEAR, None, 3), (TINY_KIMI_LINEAR, "language_model.", 2), (TINY_KIMI_LINEAR, None, 1),
-])
+@pytest.mark.parametrize(
+    "cfg,prefix,shards",
+    [
+        (TINY_K3, None, 3),
+        (TINY_K3, "", 2),
+        (TINY_K3, None, 1),
+        (TINY_KIMI_LINEAR, None, 3),
+        (TINY_KIMI_LINEAR, "language_model.", 2),
+        (TINY_KIMI_LINEAR, None, 1),
+    ],
+)
 def test_full_round_trip(tmp_path, cfg, prefix, shards):
     ckpt = write_checkpoint(tmp_path, cfg, seed=1, shards=shards, prefix=prefix)
     assert (ckpt / INDEX).exists() == (shards > 1)
@@ -167,8 +188,9 @@ def test_multimodal_prefix_variants_are_skipped(tmp_path):
     sd["model.mm_projector.y"] = torch.zeros(2)
     save_file(sd, str(tmp_path / "model.safetensors"))
     r = CheckpointReader(tmp_path)
-    assert sorted(r.skipped) == sorted(["multi_modal_projector.linear_1.weight", "language_model.vision_tower.x.weight",
-                                        "model.mm_projector.y"])
+    assert sorted(r.skipped) == sorted(
+        ["multi_modal_projector.linear_1.weight", "language_model.vision_tower.x.weight", "model.mm_projector.y"]
+    )
     assert r.check_inventory(all_tensors(TINY_K3)) == ([], [])
     w = load_stage_weights(tmp_path, TINY_K3, range(6), embed=True, head=True, reader=r)
     assert set(w) == all_names(TINY_K3)
@@ -178,8 +200,9 @@ def test_multimodal_prefix_variants_are_skipped(tmp_path):
 def test_layer_expert_and_part_subsets(k3_ckpt):
     cfg = TINY_K3
     ref = random_state_dict(cfg, seed=0)
-    w = load_stage_weights(k3_ckpt, cfg, [1, 3, 4], experts={1: [5, 0, 5], 4: [7], 0: [1]},
-                           layer_parts={3: ("attn",), 4: ("mlp",)})
+    w = load_stage_weights(
+        k3_ckpt, cfg, [1, 3, 4], experts={1: [5, 0, 5], 4: [7], 0: [1]}, layer_parts={3: ("attn",), 4: ("mlp",)}
+    )
     expect = {}
     expect.update(layer_tensors(cfg, 1, experts=[0, 5]))
     expect.update(layer_tensors(cfg, 3, parts=("attn",)))
@@ -268,7 +291,7 @@ def test_alternative_float_dtypes_are_accepted_and_cast(tmp_path):
     ckpt = write_checkpoint(tmp_path, cfg, shards=2)
     rewrite(ckpt, "model.layers.0.input_layernorm.weight", lambda t: t.float())
     rewrite(ckpt, "model.layers.0.self_attn.q_conv1d.weight", lambda t: t.to(torch.bfloat16))
-    rewrite(ckpt, "model.layers.0.self_attn.A_log", lambda t: t[:cfg.kda_num_heads].clone().view(1, 1, -1, 1))
+    rewrite(ckpt, "model.layers.0.self_attn.A_log", lambda t: t[: cfg.kda_num_heads].clone().view(1, 1, -1, 1))
     w = load_stage_weights(ckpt, cfg, [0])
     assert w["model.layers.0.input_layernorm.weight"].dtype == torch.bfloat16
     assert w["model.layers.0.self_attn.q_conv1d.weight"].dtype == torch.float32
@@ -296,8 +319,13 @@ def test_export_state_dict_with_float_experts(tmp_path):
             sd[n] = torch.randn(spec.shape, generator=g).float()  # fp32 training weights: written as bf16
     ckpt = write_checkpoint(tmp_path, cfg, state_dict=sd, shards=2)
     w = load_stage_weights(ckpt, cfg, range(cfg.num_hidden_layers), embed=True, head=True)
-    assert torch.equal(w["model.layers.2.self_attn.q_proj.weight"], sd["model.layers.2.self_attn.q_proj.weight"].bfloat16())
-    assert w["model.layers.0.self_attn.A_log"][:cfg.kda_num_heads].tolist() == sd["model.layers.0.self_attn.A_log"].tolist()
+    assert torch.equal(
+        w["model.layers.2.self_attn.q_proj.weight"], sd["model.layers.2.self_attn.q_proj.weight"].bfloat16()
+    )
+    assert (
+        w["model.layers.0.self_attn.A_log"][: cfg.kda_num_heads].tolist()
+        == sd["model.layers.0.self_attn.A_log"].tolist()
+    )
     base = "model.layers.3.block_sparse_moe.experts.6.w1."
     d = dequantize_mxfp4(w[base + "weight_packed"], w[base + "weight_scale"])
     ref = floats[base + "weight"]
@@ -353,12 +381,15 @@ def test_wrong_shape(tmp_path):
     assert name in msg and shard.name in msg and "shape" in msg
 
 
-@pytest.mark.parametrize("name,conv", [
-    ("model.layers.1.block_sparse_moe.experts.0.w1.weight_packed", lambda t: t.to(torch.int8)),
-    ("model.layers.1.block_sparse_moe.experts.0.w2.weight_scale", lambda t: t.to(torch.bfloat16)),
-    ("model.layers.1.block_sparse_moe.gate.weight", lambda t: t.to(torch.int32)),
-    ("model.layers.0.self_attn.A_log", lambda t: t.to(torch.float64)),
-])
+@pytest.mark.parametrize(
+    "name,conv",
+    [
+        ("model.layers.1.block_sparse_moe.experts.0.w1.weight_packed", lambda t: t.to(torch.int8)),
+        ("model.layers.1.block_sparse_moe.experts.0.w2.weight_scale", lambda t: t.to(torch.bfloat16)),
+        ("model.layers.1.block_sparse_moe.gate.weight", lambda t: t.to(torch.int32)),
+        ("model.layers.0.self_attn.A_log", lambda t: t.to(torch.float64)),
+    ],
+)
 def test_wrong_dtype(tmp_path, name, conv):
     ckpt = write_checkpoint(tmp_path, TINY_K3, shards=2)
     shard = rewrite(ckpt, "language_model." + name, conv)
@@ -453,7 +484,9 @@ def test_no_checkpoint(tmp_path):
 
 def test_duplicate_prefixed_and_plain_names(tmp_path):
     t = torch.ones(TINY_K3.hidden_size, dtype=torch.bfloat16)
-    save_file({"model.norm.weight": t, "language_model.model.norm.weight": t.clone()}, str(tmp_path / "model.safetensors"))
+    save_file(
+        {"model.norm.weight": t, "language_model.model.norm.weight": t.clone()}, str(tmp_path / "model.safetensors")
+    )
     with pytest.raises(CheckpointError, match="model.norm.weight.*stored twice"):
         CheckpointReader(tmp_path)
 

@@ -1,4 +1,5 @@
 """Slot claims: refusal of a second claimant, epochs, returning nodes, races (in memory and over TCP)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -43,6 +44,7 @@ class Net:
             reply = handle_claim(self.t[peer], parse_claim(frame), peer_id=me)
             await asyncio.sleep(self.rng.uniform(0, self.max_delay))
             return reply
+
         return ask
 
     def notifier(self, me: str):
@@ -50,6 +52,7 @@ class Net:
             await asyncio.sleep(self.rng.uniform(0, self.max_delay))
             if peer not in self.down:
                 handle_claim(self.t[peer], parse_claim(frame), peer_id=me)
+
         return notify
 
     async def claim(self, me: str, slot: str):
@@ -159,8 +162,9 @@ def test_race_exactly_one_winner(seed):
         res = await asyncio.gather(*(go(n) for n in ("B", "C", "D")))
         winner = next(r.node for r in res if not isinstance(r, Exception))
         deadline = asyncio.get_running_loop().time() + 5
-        while any(t.node_id != winner and (t.holder("s9") is None or t.holder("s9").node != winner)
-                  for t in tables.values()):  # the commit notifications are on their way
+        while any(
+            t.node_id != winner and (t.holder("s9") is None or t.holder("s9").node != winner) for t in tables.values()
+        ):  # the commit notifications are on their way
             assert asyncio.get_running_loop().time() < deadline, "commit notifications never arrived"
             await asyncio.sleep(0.01)
         return tables, res
@@ -178,6 +182,7 @@ def test_race_exactly_one_winner(seed):
 def test_simultaneous_claims_resolve_deterministically():
     """Both claimants start before any message is delivered: the smaller node id wins, in any order."""
     for order in (("B", "C"), ("C", "B")):
+
         async def main(order=order):
             clk = Clock()
             tables = {n: ClaimTable(n, clock=clk) for n in ("A", "B", "C")}
@@ -188,8 +193,11 @@ def test_simultaneous_claims_resolve_deterministically():
         res = run(main())
         assert not isinstance(res["B"], Exception) and res["B"].node == "B"
         assert isinstance(res["C"], ClaimRefused)
-        assert "node B is claiming slot s1 at epoch 1, which wins over node C's claim at epoch 1" in str(res["C"]) \
-            or "slot s1 is held by node B" in str(res["C"]) or "slot s1 is being claimed by node B" in str(res["C"])
+        assert (
+            "node B is claiming slot s1 at epoch 1, which wins over node C's claim at epoch 1" in str(res["C"])
+            or "slot s1 is held by node B" in str(res["C"])
+            or "slot s1 is being claimed by node B" in str(res["C"])
+        )
 
 
 def test_observation_order_and_claims_for_others():
@@ -214,14 +222,17 @@ def test_race_over_authenticated_connections():
         tables = {n: ClaimTable(n) for n in names}
         servers = {}
         for n in names:
+
             async def handler(conn, n=n):
                 async for f in conn:
                     r = handle_claim(tables[n], parse_claim(f), peer_id=conn.peer_id)
                     if r is not None:
                         await conn.send(r)
+
             servers[n] = await serve("127.0.0.1", 0, SECRET, n, handler)
         addrs = {n: ("127.0.0.1", s.port) for n, s in servers.items()}
         try:
+
             async def claim(n):
                 ask = connection_asker(addrs, SECRET, n)
                 try:

@@ -2,6 +2,7 @@
 traceback (without --verbose), and the flags meaning the same everywhere. Most cases run in-process with
 click's runner (the same `main` the `p2pk3` script calls); the ones that need a real process (signals,
 the working directory, a daemon) run `python -m p2pk3.cli` as a subprocess."""
+
 from __future__ import annotations
 
 import json
@@ -42,34 +43,37 @@ def refused(*args, match: str, code: int | None = None):
 
 
 # ------------------------------------------------------------------------------ option validation
-@pytest.mark.parametrize("args,match", [
-    (["generate", "--prompt", "hi", "--max-tokens", "-1"], "--max-tokens"),
-    (["generate", "--prompt", "hi", "--temperature", "-0.5"], "--temperature"),
-    (["generate", "--prompt", "hi", "--temperature", "100"], "0<=x<=2"),  # the API's range
-    (["local", "--prompt", "hi", "--temperature", "2.5"], "0<=x<=2"),
-    (["generate", "--prompt", "hi", "--top-k", "-2"], "--top-k"),
-    (["generate", "--prompt", "hi", "--top-p", "0"], "--top-p"),
-    (["generate", "--prompt", "hi", "--top-p", "1.5"], "--top-p"),
-    (["generate", "--prompt", "", "--raw"], "the prompt is empty"),
-    (["generate", "--prompt", "   "], "the prompt is empty"),
-    (["generate", "--prompt", "hi", "--model", "/nonexistent/model"], "no such directory"),
-    (["local", "--nodes", "0"], "--nodes"),
-    (["local", "--nodes", str(LAYERS + 1)], f"the model has only {LAYERS} layers"),
-    (["score", "--tokens", "1,2,3", "--stages", "20"], f"the model has only {LAYERS} layers"),
-    (["score", "--tokens", "1,2,3", "--stages", "0"], "--stages"),
-    (["score", "--tokens", "1,x"], "comma-separated integers"),
-    (["score", "--tokens", "1,2,99999999"], "outside the vocabulary"),
-    (["score", "--tokens", "1,2,3", "--dump-logits", "/nonexistent/dir/l.npy"], "does not exist"),
-    (["score", "--tokens", "1,2,3", "--device", "cuda"], "CUDA is not available"),
-    (["bench", "reference", "--batch", "0"], "--batch"),
-    (["bench", "reference", "--steps", "0"], "--steps"),
-    (["bench", "reference", "--prompt-len", "0"], "--prompt-len"),
-    (["bench", "reference", "--model", "/nonexistent"], "no such directory"),
-    (["topology", "init", "--nodes", "2", "--base-port", "70000"], "--base-port"),
-    (["topology", "init", "--nodes", "2", "--base-port", "65535"], "65536"),
-    (["topology", "init", "--nodes", str(LAYERS + 3)], "--split experts"),
-    (["topology", "init", "--nodes", "2", "--out", "/nonexistent/dir/t.toml"], "does not exist"),
-])
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (["generate", "--prompt", "hi", "--max-tokens", "-1"], "--max-tokens"),
+        (["generate", "--prompt", "hi", "--temperature", "-0.5"], "--temperature"),
+        (["generate", "--prompt", "hi", "--temperature", "100"], "0<=x<=2"),  # the API's range
+        (["local", "--prompt", "hi", "--temperature", "2.5"], "0<=x<=2"),
+        (["generate", "--prompt", "hi", "--top-k", "-2"], "--top-k"),
+        (["generate", "--prompt", "hi", "--top-p", "0"], "--top-p"),
+        (["generate", "--prompt", "hi", "--top-p", "1.5"], "--top-p"),
+        (["generate", "--prompt", "", "--raw"], "the prompt is empty"),
+        (["generate", "--prompt", "   "], "the prompt is empty"),
+        (["generate", "--prompt", "hi", "--model", "/nonexistent/model"], "no such directory"),
+        (["local", "--nodes", "0"], "--nodes"),
+        (["local", "--nodes", str(LAYERS + 1)], f"the model has only {LAYERS} layers"),
+        (["score", "--tokens", "1,2,3", "--stages", "20"], f"the model has only {LAYERS} layers"),
+        (["score", "--tokens", "1,2,3", "--stages", "0"], "--stages"),
+        (["score", "--tokens", "1,x"], "comma-separated integers"),
+        (["score", "--tokens", "1,2,99999999"], "outside the vocabulary"),
+        (["score", "--tokens", "1,2,3", "--dump-logits", "/nonexistent/dir/l.npy"], "does not exist"),
+        (["score", "--tokens", "1,2,3", "--device", "cuda"], "CUDA is not available"),
+        (["bench", "reference", "--batch", "0"], "--batch"),
+        (["bench", "reference", "--steps", "0"], "--steps"),
+        (["bench", "reference", "--prompt-len", "0"], "--prompt-len"),
+        (["bench", "reference", "--model", "/nonexistent"], "no such directory"),
+        (["topology", "init", "--nodes", "2", "--base-port", "70000"], "--base-port"),
+        (["topology", "init", "--nodes", "2", "--base-port", "65535"], "65536"),
+        (["topology", "init", "--nodes", str(LAYERS + 3)], "--split experts"),
+        (["topology", "init", "--nodes", "2", "--out", "/nonexistent/dir/t.toml"], "does not exist"),
+    ],
+)
 def test_usage_errors_are_one_line(args, match):
     refused(*args, match=match)
 
@@ -86,6 +90,7 @@ def test_topology_init_defaults_and_secret_next_to_it(tmp_path):
     r = cli("topology", "init", "--nodes", "3", "--out", out)
     assert r.exit_code == 0, r.output
     from p2pk3.topology import DEFAULT_BASE_PORT, Topology
+
     t = Topology.load(out)
     assert [s.port for s in t.slots] == [DEFAULT_BASE_PORT + i for i in range(3)]
     assert t.cluster.beacon_addrs == ["127.0.0.1"]  # loopback hosts: loopback beacons, not broadcast
@@ -98,6 +103,7 @@ def test_topology_init_defaults_and_secret_next_to_it(tmp_path):
 
 def _bad_topology(tmp_path, **slot1):
     from p2pk3.topology import Topology
+
     t = Topology.load(Path(__file__).resolve().parents[1] / "topology" / "embedded-4.toml")
     d = t.to_dict()
     d["model"]["path"] = str(MODEL)
@@ -105,17 +111,21 @@ def _bad_topology(tmp_path, **slot1):
     d["slots"][1].update(slot1)
     (tmp_path / "secret").write_text("x" * 64)
     import tomli_w
+
     p = tmp_path / "bad.toml"
     p.write_text(tomli_w.dumps(d))
     return p
 
 
-@pytest.mark.parametrize("change,match", [
-    ({"layers": [2, 5]}, "overlap"),
-    ({"layers": [5, 7]}, "layer 4 is not assigned to any slot"),
-    ({"layers": [3, 50]}, "50"),
-    ({"port": 47920}, "both use 127.0.0.1:47920"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"layers": [2, 5]}, "overlap"),
+        ({"layers": [5, 7]}, "layer 4 is not assigned to any slot"),
+        ({"layers": [3, 50]}, "50"),
+        ({"port": 47920}, "both use 127.0.0.1:47920"),
+    ],
+)
 def test_node_with_a_broken_topology_says_what_is_wrong(tmp_path, change, match):
     p = _bad_topology(tmp_path, **change)
     out = refused("node", "--topology", p, "--slot", "s0", match=match)
@@ -141,15 +151,34 @@ def test_unknown_slot_and_secret_command(tmp_path):
 
 # ---------------------------------------------------------------------------------- real processes
 def _run(args, cwd=None, timeout=120, **kw):
-    return subprocess.run([sys.executable, "-m", "p2pk3.cli", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, timeout=timeout, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "p2pk3.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=timeout,
+        **kw,
+    )
 
 
 @pytest.mark.slow
 def test_generate_through_a_ring_equals_in_process_with_every_flag():
     """--nodes must not drop --raw / --top-k / --top-p / --temperature / --seed: one code path."""
-    flags = ["--prompt", "The with statement", "--raw", "--max-tokens", "12", "--temperature", "1.3",
-             "--top-k", "1", "--top-p", "0.9", "--seed", "7"]
+    flags = [
+        "--prompt",
+        "The with statement",
+        "--raw",
+        "--max-tokens",
+        "12",
+        "--temperature",
+        "1.3",
+        "--top-k",
+        "1",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "7",
+    ]
     local = cli("generate", *flags)
     assert local.exit_code == 0, local.output
     ring = _run(["generate", *flags, "--nodes", "2"])
@@ -162,6 +191,7 @@ def test_generate_through_a_ring_equals_in_process_with_every_flag():
 @pytest.mark.slow
 def test_node_with_a_port_in_use_names_slot_and_port(tmp_path):
     import socket
+
     p = _bad_topology(tmp_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 47920))
@@ -175,6 +205,7 @@ def test_node_with_a_port_in_use_names_slot_and_port(tmp_path):
 @pytest.mark.slow
 def test_node_with_a_wrong_secret_exits_instead_of_pretending(tmp_path, ckpt):
     from p2pk3.node.local import LocalRing
+
     with LocalRing(ckpt, 2) as ring:
         (tmp_path / "wrong").write_text("w" * 64)
         text = ring.topology.read_text().replace('secret_file = "secret"', f'secret_file = "{tmp_path / "wrong"}"')
@@ -193,8 +224,13 @@ def test_local_owns_its_daemons_on_sigterm_and_cannot_be_shadowed(tmp_path):
     (tmp_path / "p2pk3").mkdir()
     (tmp_path / "p2pk3" / "__init__.py").write_text("raise ImportError('shadowed!')\n")
     state = tmp_path / "ring.json"
-    p = subprocess.Popen([sys.executable, "-P", "-m", "p2pk3.cli", "local", "--nodes", "2", "--state", str(state)],
-                         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-P", "-m", "p2pk3.cli", "local", "--nodes", "2", "--state", str(state)],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.time() + 120
         while not state.exists() and time.time() < deadline and p.poll() is None:
@@ -228,8 +264,13 @@ def test_readme_main_command_opens_the_chat_on_a_terminal_and_scripts_without_on
     """`p2pk3 local --nodes 4 --chat`: on a terminal the REPL (a question, a streamed answer, /quit);
     without one, a single scripted exchange with the ring's statistics."""
     pexpect = pytest.importorskip("pexpect")
-    child = pexpect.spawn(sys.executable, ["-m", "p2pk3.cli", "local", "--nodes", "2", "--chat"], encoding="utf-8",
-                          timeout=120, dimensions=(40, 160))
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "p2pk3.cli", "local", "--nodes", "2", "--chat"],
+        encoding="utf-8",
+        timeout=120,
+        dimensions=(40, 160),
+    )
     try:
         child.expect("on the ring: /help for commands, /quit or Ctrl-D to leave")
         child.expect(r"> ")

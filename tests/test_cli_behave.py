@@ -1,6 +1,7 @@
 """Issue 26 ("every command behaves, round two"): what a new user still hit, one test per item (the item
 numbers are the issue's). In-process with click's runner where it can, subprocesses for start-up cost,
 signals and rings."""
+
 from __future__ import annotations
 
 import json
@@ -55,9 +56,11 @@ def _topology(tmp_path, nodes: int = 2, **kw) -> Path:
 
 # ------------------------------------------------------------------------------ 10: lazy imports
 def _imports_torch(args: list[str]) -> bool:
-    code = ("import sys\nfrom p2pk3.cli import main\n"
-            f"try:\n    main({args!r})\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
-            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
+    code = (
+        "import sys\nfrom p2pk3.cli import main\n"
+        f"try:\n    main({args!r})\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     return r.stdout.strip().splitlines()[-1] == "TORCH"
@@ -65,9 +68,15 @@ def _imports_torch(args: list[str]) -> bool:
 
 def test_commands_that_do_not_run_the_model_do_not_import_torch(tmp_path):
     topo = _topology(tmp_path)
-    for args in (["--help"], ["secret", "--out", str(tmp_path / "k")], ["topology", "init", "--nodes", "2"],
-                 ["topology", "check", str(topo)], ["systemd", "--topology", str(topo), "--out", str(tmp_path / "u")],
-                 ["local", "--help"], ["chat", "--help"]):
+    for args in (
+        ["--help"],
+        ["secret", "--out", str(tmp_path / "k")],
+        ["topology", "init", "--nodes", "2"],
+        ["topology", "check", str(topo)],
+        ["systemd", "--topology", str(topo), "--out", str(tmp_path / "u")],
+        ["local", "--help"],
+        ["chat", "--help"],
+    ):
         assert not _imports_torch(args), f"p2pk3 {' '.join(args)} imports torch"
 
 
@@ -88,8 +97,18 @@ def test_contradicting_or_misplaced_options_are_refused(tmp_path):
 # ------------------------------------------------------------------------------ 12, 13: the dashboard
 def test_dashboard_json_prints_one_document_unless_asked_to_follow(tmp_path):
     topo = _topology(tmp_path)  # nothing listens there: every slot is dead, the document says so
-    base = [sys.executable, "-m", "p2pk3.cli", "dashboard", "--topology", str(topo), "--interval", "0.2",
-            "--timeout", "0.2"]
+    base = [
+        sys.executable,
+        "-m",
+        "p2pk3.cli",
+        "dashboard",
+        "--topology",
+        str(topo),
+        "--interval",
+        "0.2",
+        "--timeout",
+        "0.2",
+    ]
     r = subprocess.run(base + ["--json"], capture_output=True, text=True, env=ENV, timeout=60)
     assert r.returncode == 0, r.stderr
     (doc,) = [json.loads(line) for line in r.stdout.splitlines()]
@@ -112,15 +131,19 @@ def test_dashboard_counts_a_healthy_standby_as_up(tmp_path, monkeypatch):
     from rich.console import Console
 
     topo = Topology.load(_topology(tmp_path, nodes=2, standby=1))
-    roles = {s.port: (s.id, "standby" if s.standby else "entry" if i == 0 else "stage")
-             for i, s in enumerate(topo.slots)}
+    roles = {
+        s.port: (s.id, "standby" if s.standby else "entry" if i == 0 else "stage") for i, s in enumerate(topo.slots)
+    }
 
     async def fake_probe(addr, secret, timeout=1.0):
         slot, role = roles[addr[1]]
-        return cluster_view.Probe(addr, {"slot": slot, "role": role, "node": f"{slot}@x", "epoch": 1,
-                                         "address": list(addr)}, rtt_ms=0.1)
+        return cluster_view.Probe(
+            addr, {"slot": slot, "role": role, "node": f"{slot}@x", "epoch": 1, "address": list(addr)}, rtt_ms=0.1
+        )
+
     monkeypatch.setattr(cluster_view, "probe", fake_probe)
     import asyncio
+
     snap = asyncio.run(cluster_view.ClusterView(topo, b"x" * 32).poll())
     assert [r["state"] for r in snap["slots"]] == ["up", "up", "standby"]
     assert snap["totals"]["up"] == 3 == snap["totals"]["nodes"]
@@ -145,8 +168,13 @@ def test_help_names_the_embedded_model_and_every_option_has_a_help_or_default():
     assert "--prefill-chunk INTEGER RANGE prompt tokens per prefill pass" in plan
     assert "--stage-overhead-us FLOAT RANGE fixed time per stage" in plan
     sim = _help("simulate")
-    for opt, default in (("--prompt", "rtx5090: 1024"), ("--new-tokens", "rtx5090: 256"),
-                         ("--context", "rtx5090: 32768"), ("--act", "rtx5090: bf16"), ("--hardware", "rtx5090.toml")):
+    for opt, default in (
+        ("--prompt", "rtx5090: 1024"),
+        ("--new-tokens", "rtx5090: 256"),
+        ("--context", "rtx5090: 32768"),
+        ("--act", "rtx5090: bf16"),
+        ("--hardware", "rtx5090.toml"),
+    ):
         part = sim.split(opt + " ", 1)[1].split(" --", 1)[0]
         assert "[default:" in part and default in part, (opt, part)
 
@@ -154,22 +182,30 @@ def test_help_names_the_embedded_model_and_every_option_has_a_help_or_default():
 def test_counts_take_the_right_plural_and_the_chats_share_one_banner():
     from p2pk3.cli.common import plural
     from p2pk3.frontends.repl import banner
-    assert [plural(1, "daemon"), plural(2, "daemon"), plural(1, "standby", "standbys")] == \
-        ["1 daemon", "2 daemons", "1 standby"]
+
+    assert [plural(1, "daemon"), plural(2, "daemon"), plural(1, "standby", "standbys")] == [
+        "1 daemon",
+        "2 daemons",
+        "1 standby",
+    ]
     import inspect
     from p2pk3.cli import chat, ring
+
     for mod in (chat, ring):  # both chats greet through the one banner
         assert "banner(" in inspect.getsource(mod) and "to leave" not in inspect.getsource(mod)
     assert "/quit" in banner("k3-docs") and "Ctrl-D" in banner("k3-docs")
 
 
 def test_usage_errors_and_long_errors_are_one_short_line():
-    for args, match in ((["generate", "--prompt", "hi", "--max-tokens", "-1"], "--max-tokens"),
-                        (["generate", "--bogus"], "No such option"),
-                        (["topology", "init"], "--nodes"),
-                        (["generate", "--prompt", "hi", "--temperature", "x" * 2000], "--temperature")):
-        r = subprocess.run([sys.executable, "-m", "p2pk3.cli", *args], capture_output=True, text=True, env=ENV,
-                           timeout=120)
+    for args, match in (
+        (["generate", "--prompt", "hi", "--max-tokens", "-1"], "--max-tokens"),
+        (["generate", "--bogus"], "No such option"),
+        (["topology", "init"], "--nodes"),
+        (["generate", "--prompt", "hi", "--temperature", "x" * 2000], "--temperature"),
+    ):
+        r = subprocess.run(
+            [sys.executable, "-m", "p2pk3.cli", *args], capture_output=True, text=True, env=ENV, timeout=120
+        )
         assert r.returncode == 2 and r.stdout == "", r
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and match in lines[0] and len(lines[0]) <= 340, r.stderr
@@ -193,8 +229,15 @@ def test_a_cancelled_request_is_no_failure_and_stats_show_the_stopped_answer():
     entry.fail_all("slot s1 is down")
     assert (entry.failed, entry.cancelled) == (1, 1)
 
-    chat = Chat(None, PromptBuilder.from_pretrained(MODEL), SamplingOverrides(), system=None, out=io.StringIO(),
-                err=io.StringIO(), interactive=True)
+    chat = Chat(
+        None,
+        PromptBuilder.from_pretrained(MODEL),
+        SamplingOverrides(),
+        system=None,
+        out=io.StringIO(),
+        err=io.StringIO(),
+        interactive=True,
+    )
     chat.finish("first", [5, 6], {"ttft_s": 0.01, "decode_tokens_per_s": 50.0, "prompt_tokens": 9, "total_s": 0.2})
     assert "prompt 9 tokens" in stats_text(chat.conv)
     chat.finish("second", [7, 8, 9], None)  # Ctrl-C after three tokens
@@ -228,6 +271,7 @@ def test_chat_says_at_once_which_address_refused_and_why(tmp_path):
         for s in topo.slots:
             servers.append(await serve(s.host, s.port, b"another cluster's secret!", s.id, lambda conn: None))
         started.set()
+
     threading.Thread(target=lambda: (loop.run_until_complete(listen()), loop.run_forever()), daemon=True).start()
     try:
         assert started.wait(10)
@@ -238,8 +282,11 @@ def test_chat_says_at_once_which_address_refused_and_why(tmp_path):
         for srv in servers:
             loop.call_soon_threadsafe(srv.close)
         loop.call_soon_threadsafe(loop.stop)
-    assert r.exit_code == 1 and f"{first}: refused the handshake: authentication failed: wrong cluster secret" \
-        in r.output and len(r.output) < 340, r.output
+    assert (
+        r.exit_code == 1
+        and f"{first}: refused the handshake: authentication failed: wrong cluster secret" in r.output
+        and len(r.output) < 340
+    ), r.output
     assert took < 2.0, (took, r.output)
 
 
@@ -278,6 +325,7 @@ def test_local_prompt_streams_and_ctrl_c_keeps_the_partial_answer(monkeypatch):
 
         async def client(self):
             return Interrupted()
+
     monkeypatch.setattr(local, "LocalRing", FakeRing)
     r = cli("local", "--nodes", 2, "--prompt", "What does with do?")
     assert "with opens a context manager" in r.output, r.output  # what came before Ctrl-C is on the terminal
@@ -293,13 +341,16 @@ def test_ring_events_say_down_taken_over_recovered(tmp_path):
 
     def doc(*nodes):
         return {"entry": "127.0.0.1:1", "nodes": [dict(zip(("started_on", "slot", "role", "pid"), n)) for n in nodes]}
+
     up = doc(("s0", "s0", "entry", 10), ("s1", "s1", "stage", 11), ("s2", "s2", "standby", 12))
     down = doc(("s0", "s0", "entry", 10), ("s1", "s1", "dead", 11), ("s2", "s2", "standby", 12))
     over = doc(("s0", "s0", "entry", 10), ("s2", "s1", "stage", 12), ("s1", "s1", "dead", 11))
     assert ring_events(None, up, topo) == [] and ring_events(up, up, topo) == []
     assert ring_events(up, down, topo) == ["node down: slot s1 (pid 11) is dead"]
-    assert ring_events(down, over, topo) == ["taken over: standby s2 (pid 12) serves slot s1 now",
-                                             "recovered: every slot is served again (entry 127.0.0.1:1)"]
+    assert ring_events(down, over, topo) == [
+        "taken over: standby s2 (pid 12) serves slot s1 now",
+        "recovered: every slot is served again (entry 127.0.0.1:1)",
+    ]
     assert ring_events(over, over, topo) == []
 
 
@@ -322,6 +373,7 @@ def test_local_refuses_a_busy_api_port_and_a_live_rings_state_file_before_starti
         owner.kill()
         owner.wait(10)
     from p2pk3.node.local import claim_state_file
+
     claim_state_file(state)  # its ring is gone: a stale file, removed so that waiting for it waits for the new one
     assert not state.exists()
 
@@ -343,16 +395,26 @@ def test_local_says_what_happens_and_cleans_up_after_itself(tmp_path):
     env = dict(ENV, TMPDIR=str(tmp_path))
     state = tmp_path / "ring.json"
     out = open(tmp_path / "local.out", "w+")
-    p = subprocess.Popen([sys.executable, "-m", "p2pk3.cli", "local", "--nodes", "2", "--standby", "1", "--state",
-                          str(state)], stdout=out, stderr=subprocess.STDOUT, env=env, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "p2pk3.cli", "local", "--nodes", "2", "--standby", "1", "--state", str(state)],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env=env,
+        text=True,
+    )
     pids = []
     try:
         _wait_for(lambda: state.exists() and state.stat().st_size, 180, "the state file", p)
         doc = json.loads(state.read_text())
         pids = [n["pid"] for n in doc["nodes"]]
         assert doc["pid"] == p.pid and [n["role"] for n in doc["nodes"]] == ["entry", "stage", "standby"], doc
-        r = subprocess.run([sys.executable, "-m", "p2pk3.cli", "local", "--nodes", "2", "--state", str(state)],
-                           capture_output=True, text=True, env=env, timeout=120)
+        r = subprocess.run(
+            [sys.executable, "-m", "p2pk3.cli", "local", "--nodes", "2", "--state", str(state)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
         assert r.returncode == 2 and "running ring" in r.stderr, r.stderr
         victim = [n for n in doc["nodes"] if n["role"] == "stage" and n["started_on"] == n["slot"]][0]
         os.kill(victim["pid"], signal.SIGKILL)
@@ -378,8 +440,13 @@ def test_local_says_what_happens_and_cleans_up_after_itself(tmp_path):
 
 def test_ctrl_c_while_local_starts_leaves_no_folder_with_the_secret(tmp_path):
     env = dict(ENV, TMPDIR=str(tmp_path))
-    p = subprocess.Popen([sys.executable, "-m", "p2pk3.cli", "local", "--nodes", "2"], stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, env=env, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "p2pk3.cli", "local", "--nodes", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        text=True,
+    )
     try:
         assert p.stdout.readline().startswith("starting 2 daemons")
         _wait_for(lambda: list(tmp_path.glob("p2pk3-local-*/node-*.log")), 60, "the daemons' logs", p)
@@ -416,10 +483,12 @@ def test_connection_errors_say_each_phrase_once():
     lost = ConnectionClosed("connection lost: [Errno 104] Connection reset by peer")
     assert why(lost) == "[Errno 104] Connection reset by peer"
     assert why(ConnectionRefusedError(111, "Connection refused")).startswith("connection refused")
-    auth = AuthenticationError("node 's0' at 127.0.0.1:5 refused the connection: authentication failed: wrong "
-                               "cluster secret [auth_failed]")
-    assert why(auth) == ("refused the handshake: authentication failed: wrong cluster secret (is the topology's "
-                         "secret_file the ring's?)")
+    auth = AuthenticationError(
+        "node 's0' at 127.0.0.1:5 refused the connection: authentication failed: wrong cluster secret [auth_failed]"
+    )
+    assert why(auth) == (
+        "refused the handshake: authentication failed: wrong cluster secret (is the topology's secret_file the ring's?)"
+    )
 
     import asyncio
 
@@ -430,6 +499,7 @@ def test_connection_errors_say_each_phrase_once():
         async def reset(conn):
             await conn.recv()
             conn.close("reset", abort=True)
+
         srv = await serve("127.0.0.1", 0, b"s" * 32, "s1", reset)
         m = Monitor(b"s" * 32, "s0", lambda: ["s1"], lambda slot: ("127.0.0.1", srv.port), heartbeat_s=0.05)
         m.start()
@@ -443,5 +513,6 @@ def test_connection_errors_say_each_phrase_once():
             m.stop()
             srv.close()
         raise AssertionError(f"no down state: {m.state('s1')}")
+
     reason = asyncio.run(go())
     assert reason.startswith("closed by the peer (node 's1' at 127.0.0.1:"), reason  # not "connection lost: closed ..."

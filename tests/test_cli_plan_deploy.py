@@ -1,6 +1,7 @@
 """The planner, topology and deploy commands as a new user meets them (issue 26): no figure that means
 nothing, a shipped model checked like a downloaded one, a download that will not fill another model's
 directory, a secret that exists before anything says "ok", refusals that name what does not fit."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,11 @@ EMBEDDED = sorted(p for p in ASSETS.iterdir() if (p / "config.json").is_file())
 def directory_files(d: Path) -> list[str]:
     """What a model directory's manifest must list (independent of the code under test): every file but
     the manifest, the model card and hidden ones (the manifest's lock file)."""
-    return sorted(p.name for p in d.iterdir()
-                  if p.is_file() and p.name not in (MANIFEST_FILE, "README.md") and not p.name.startswith("."))
+    return sorted(
+        p.name
+        for p in d.iterdir()
+        if p.is_file() and p.name not in (MANIFEST_FILE, "README.md") and not p.name.startswith(".")
+    )
 
 
 def cli(*args, env=None, input=None):
@@ -36,8 +40,9 @@ def cli(*args, env=None, input=None):
 
 
 def subprocess_cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "p2pk3.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "p2pk3.cli", *map(str, args)], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def hosts_file(tmp_path: Path, body: str) -> Path:
@@ -68,8 +73,10 @@ def test_plan_takes_the_datasheet_bandwidth_of_gpu_and_says_so(tmp_path):
 
 
 def test_plan_mixed_known_and_unknown_bandwidth_is_refused(tmp_path):
-    nodes = hosts_file(tmp_path, '[[nodes]]\nname = "a"\ngpu_memory_gb = 31.5\ngpu = "rtx5090"\n'
-                                 '[[nodes]]\nname = "b"\ngpu_memory_gb = 31.5\n')
+    nodes = hosts_file(
+        tmp_path,
+        '[[nodes]]\nname = "a"\ngpu_memory_gb = 31.5\ngpu = "rtx5090"\n[[nodes]]\nname = "b"\ngpu_memory_gb = 31.5\n',
+    )
     r = cli("plan", "--hosts", nodes)
     assert r.exit_code == 1 and "memory bandwidth unknown for b" in r.output and "gpu = " in r.output
 
@@ -109,8 +116,10 @@ def test_topology_check_advises_the_cuda_reserve_not_fewer_layers_when_weights_a
 
 # ---------------------------------------------------------------- 4. / 21. the secret file
 def test_topology_check_refuses_a_missing_secret_and_systemd_warns(tmp_path):
-    nodes = hosts_file(tmp_path, '[[nodes]]\nname = "g"\ncount = 2\ngpu_memory_gb = 31.5\ngpu = "rtx5090"\n'
-                                 'host = "127.0.0.1"\nport = 47920\n')
+    nodes = hosts_file(
+        tmp_path,
+        '[[nodes]]\nname = "g"\ncount = 2\ngpu_memory_gb = 31.5\ngpu = "rtx5090"\nhost = "127.0.0.1"\nport = 47920\n',
+    )
     topo = tmp_path / "t.toml"
     assert cli("plan", "--hosts", nodes, "--out", topo).exit_code == 0
     assert cli("topology", "check", topo, "--quiet").exit_code == 0
@@ -134,6 +143,7 @@ def test_plan_and_topology_init_write_and_create_the_same_secret(tmp_path, how):
         r = cli("topology", "init", "--nodes", "2", "--out", topo)
     assert r.exit_code == 0, r.output
     from p2pk3.topology import Topology
+
     t = Topology.load(topo)
     assert t.cluster.secret_file == "cluster.key"
     key = tmp_path / "cluster.key"
@@ -161,18 +171,21 @@ def test_shipped_manifest_matches_the_shipped_files(model):
     assert sorted(m.files) == directory_files(model), f"run `p2pk3 manifest {model}`"
     for name, e in m.files.items():
         assert e.verified is None  # nothing machine-specific in a shipped file
-        assert (model / name).stat().st_size == e.size and sha256_file(model / name) == e.sha256, \
+        assert (model / name).stat().st_size == e.size and sha256_file(model / name) == e.sha256, (
             f"{name} changed: run `p2pk3 manifest {model}`"
+        )
     assert "p2pk3 manifest" in (model / "README.md").read_text()
 
 
 def test_loading_the_shipped_model_checks_it_and_writes_nothing_into_the_package():
     from p2pk3.deploy.integrity import check_checkpoint
+
     model = EMBEDDED[0]
     before = (model / MANIFEST_FILE).read_bytes()
     rep = check_checkpoint(model)
-    assert rep is not None and sorted(rep.hashed) == sorted(n for n in Manifest.load(model).files
-                                                            if n.endswith(".safetensors"))
+    assert rep is not None and sorted(rep.hashed) == sorted(
+        n for n in Manifest.load(model).files if n.endswith(".safetensors")
+    )
     assert (model / MANIFEST_FILE).read_bytes() == before and not (model / ".p2pk3-manifest.lock").exists()
 
 
@@ -227,8 +240,10 @@ def test_manifest_command_records_a_local_model_that_is_then_checked(tmp_path):
 
 # ---------------------------------------------------------------- 5. download into the right directory
 def _topology(tmp_path: Path, model_path: Path | None = None) -> Path:
-    nodes = hosts_file(tmp_path, '[[nodes]]\nname = "g"\ncount = 2\ngpu_memory_gb = 31.5\ngpu = "rtx5090"\n'
-                                 'host = "127.0.0.1"\nport = 47920\n')
+    nodes = hosts_file(
+        tmp_path,
+        '[[nodes]]\nname = "g"\ncount = 2\ngpu_memory_gb = 31.5\ngpu = "rtx5090"\nhost = "127.0.0.1"\nport = 47920\n',
+    )
     topo = tmp_path / "t.toml"
     assert cli("plan", "--hosts", nodes, "--out", topo).exit_code == 0
     if model_path is not None:
@@ -251,8 +266,16 @@ def hub(tmp_path_factory):
 
 def test_download_refuses_the_embedded_models_directory(tmp_path, hub):
     topo = _topology(tmp_path)  # [model] path: the embedded model (plan without --model)
-    r = cli("download", "--topology", topo, "--all-local", "--repo", hub.repo, "--quiet",
-            env={"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0"})
+    r = cli(
+        "download",
+        "--topology",
+        topo,
+        "--all-local",
+        "--repo",
+        hub.repo,
+        "--quiet",
+        env={"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0"},
+    )
     assert r.exit_code == 1, r.output
     assert "is a model shipped with p2pk3" in r.output and "--local-dir" in r.output and hub.repo in r.output
     assert [e for e in hub.log if e[0] == "GET" and not e[1].startswith("/api/")] == []  # nothing fetched

@@ -1,4 +1,5 @@
 """Frame encoding/decoding: zero-copy round trips, limits before allocation, malformed input."""
+
 from __future__ import annotations
 
 import tracemalloc
@@ -15,7 +16,7 @@ from p2pk3.transport.decoder import POOL_MIN, FrameDecoder
 def _feed_in_pieces(dec: FrameDecoder, data: bytes, piece: int) -> list[Frame]:
     out = []
     for i in range(0, len(data), piece):
-        out += dec.feed(data[i:i + piece])
+        out += dec.feed(data[i : i + piece])
     return out
 
 
@@ -26,8 +27,12 @@ def test_round_trip_several_dtypes_zero_copy_buffers():
     f16 = rng.standard_normal(9).astype(np.float16)
     bf16 = bytearray(rng.integers(0, 255, 2 * 4 * 6, dtype=np.uint8).tobytes())  # raw bf16 bits
     u8 = np.frombuffer(b"\x01\x02\x03", dtype=np.uint8)
-    frame = Frame.make("x", {"a": f32, "b": i64, "c": f16, "d": ("bfloat16", (4, 6), bf16), "e": u8,
-                             "empty": np.zeros((0, 4), np.float32)}, session="s1", pos=[1, 2])
+    frame = Frame.make(
+        "x",
+        {"a": f32, "b": i64, "c": f16, "d": ("bfloat16", (4, 6), bf16), "e": u8, "empty": np.zeros((0, 4), np.float32)},
+        session="s1",
+        pos=[1, 2],
+    )
     chunks = F.encode(frame)
     # the tensor data is passed through, not copied: the chunks reference the caller's memory
     assert any(isinstance(c, memoryview) and c.obj is bf16 for c in chunks)
@@ -57,8 +62,10 @@ def test_several_frames_in_one_stream_and_checksum():
 
 
 def test_large_header_grows_staging():
-    big = {"kind": "forward", "segments": [{"session": f"s{i}", "epoch": 0, "start_pos": i, "n_tokens": 1}
-                                           for i in range(5000)]}
+    big = {
+        "kind": "forward",
+        "segments": [{"session": f"s{i}", "epoch": 0, "start_pos": i, "n_tokens": 1} for i in range(5000)],
+    }
     data = F.encode_bytes(Frame(big))
     assert len(data) > 64 << 10
     (g,) = _feed_in_pieces(FrameDecoder(staging_size=1024), data, 4096)
@@ -76,15 +83,18 @@ def _prefix(magic=F.MAGIC, version=F.VERSION, flags=0, hlen=10, plen=0) -> bytes
     return F.PREFIX.pack(magic, version, flags, hlen, plen)
 
 
-@pytest.mark.parametrize("prefix,msg", [
-    (_prefix(magic=b"HTTP"), "bad magic"),
-    (_prefix(version=9), "unknown frame version 9"),
-    (_prefix(flags=0x80), "unknown frame flags"),
-    (_prefix(hlen=0), "empty frame header"),
-    (_prefix(hlen=F.MAX_HEADER_LEN + 1), "exceeds the limit of 1048576 bytes"),
-    (_prefix(plen=(4 << 30) + 1), "exceeds the limit of 4294967296 bytes"),
-    (_prefix(plen=2 ** 63), "exceeds the limit"),
-])
+@pytest.mark.parametrize(
+    "prefix,msg",
+    [
+        (_prefix(magic=b"HTTP"), "bad magic"),
+        (_prefix(version=9), "unknown frame version 9"),
+        (_prefix(flags=0x80), "unknown frame flags"),
+        (_prefix(hlen=0), "empty frame header"),
+        (_prefix(hlen=F.MAX_HEADER_LEN + 1), "exceeds the limit of 1048576 bytes"),
+        (_prefix(plen=(4 << 30) + 1), "exceeds the limit of 4294967296 bytes"),
+        (_prefix(plen=2**63), "exceeds the limit"),
+    ],
+)
 def test_prefix_limits(prefix, msg):
     dec = FrameDecoder()
     with pytest.raises(ProtocolError, match=msg):
@@ -98,12 +108,12 @@ def test_absurd_lengths_do_not_allocate():
     dec = FrameDecoder(alloc=lambda n: allocs.append(n) or bytearray(n))
     tracemalloc.start()
     try:
-        for plen in (2 ** 64 - 1, 2 ** 40, (4 << 30) + 1):
+        for plen in (2**64 - 1, 2**40, (4 << 30) + 1):
             d = FrameDecoder(alloc=lambda n: allocs.append(n) or bytearray(n))
             with pytest.raises(ProtocolError):
                 d.feed(_prefix(plen=plen))
         with pytest.raises(ProtocolError):
-            dec.feed(_prefix(hlen=2 ** 32 - 1))
+            dec.feed(_prefix(hlen=2**32 - 1))
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -129,21 +139,24 @@ def _td(**kw):
     return d
 
 
-@pytest.mark.parametrize("data,msg", [
-    (_raw(b"\xc1\xc1\xc1"), "not valid msgpack"),
-    (_raw([1, 2]), "expected a map"),
-    (_raw({"no": "kind"}), "no string 'kind'"),
-    (_raw({"kind": 5}), "no string 'kind'"),
-    (_raw({1: 2, "kind": "x"}), "not allowed for map key"),
-    (_raw(msgpack.packb({"kind": "x", "e": msgpack.ExtType(5, b"zz")})), "extension type 5"),
-    (_raw({"kind": "x", "tensors": "nope"}), "'tensors' must be a list"),
-    (_raw({"kind": "x", "tensors": [_td(dtype="complex64")]}, bytes(8)), "unknown dtype 'complex64'"),
-    (_raw({"kind": "x", "tensors": [_td(nbytes=12)]}, bytes(12)), "nbytes 12 != prod"),
-    (_raw({"kind": "x", "tensors": [_td(offset=4)]}, bytes(8)), "outside the 8-byte payload"),
-    (_raw({"kind": "x", "tensors": [_td(shape=[-2])]}, bytes(8)), "bad shape"),
-    (_raw({"kind": "x", "tensors": [_td(), _td()]}, bytes(8)), "duplicate tensor name"),
-    (_raw({"kind": "x", "tensors": [_td(offset=-1)]}, bytes(8)), "bad offset"),
-])
+@pytest.mark.parametrize(
+    "data,msg",
+    [
+        (_raw(b"\xc1\xc1\xc1"), "not valid msgpack"),
+        (_raw([1, 2]), "expected a map"),
+        (_raw({"no": "kind"}), "no string 'kind'"),
+        (_raw({"kind": 5}), "no string 'kind'"),
+        (_raw({1: 2, "kind": "x"}), "not allowed for map key"),
+        (_raw(msgpack.packb({"kind": "x", "e": msgpack.ExtType(5, b"zz")})), "extension type 5"),
+        (_raw({"kind": "x", "tensors": "nope"}), "'tensors' must be a list"),
+        (_raw({"kind": "x", "tensors": [_td(dtype="complex64")]}, bytes(8)), "unknown dtype 'complex64'"),
+        (_raw({"kind": "x", "tensors": [_td(nbytes=12)]}, bytes(12)), "nbytes 12 != prod"),
+        (_raw({"kind": "x", "tensors": [_td(offset=4)]}, bytes(8)), "outside the 8-byte payload"),
+        (_raw({"kind": "x", "tensors": [_td(shape=[-2])]}, bytes(8)), "bad shape"),
+        (_raw({"kind": "x", "tensors": [_td(), _td()]}, bytes(8)), "duplicate tensor name"),
+        (_raw({"kind": "x", "tensors": [_td(offset=-1)]}, bytes(8)), "bad offset"),
+    ],
+)
 def test_malformed_headers(data, msg):
     with pytest.raises(ProtocolError, match=msg):
         FrameDecoder().feed(data)
@@ -163,18 +176,27 @@ def test_encode_rejects_bad_input():
 def test_transport_does_not_import_torch():
     import subprocess
     import sys
-    code = ("import sys, p2pk3.transport.codec, p2pk3.transport.decoder, p2pk3.transport.messages, "
-            "p2pk3.transport.connection, p2pk3.node.discovery, p2pk3.node.claims, p2pk3.params; assert 'torch' not in sys.modules, 'torch imported'")
+
+    code = (
+        "import sys, p2pk3.transport.codec, p2pk3.transport.decoder, p2pk3.transport.messages, "
+        "p2pk3.transport.connection, p2pk3.node.discovery, p2pk3.node.claims, p2pk3.params; assert 'torch' not in sys.modules, 'torch imported'"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 
 
-@pytest.mark.parametrize("header,msg", [
-    ({"kind": "x", b"k": 1}, "map key b'k' is not a string"),
-    ({"kind": "x", "t": msgpack.Timestamp(1, 0)}, "holds a value of type Timestamp"),
-    ({"kind": "x", "deep": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}, "nests too deeply"),
-    ({"kind": "x", "e": [{"k": {b"inner": 2}}]}, "map key b'inner' is not a string"),
-])
+@pytest.mark.parametrize(
+    "header,msg",
+    [
+        ({"kind": "x", b"k": 1}, "map key b'k' is not a string"),
+        ({"kind": "x", "t": msgpack.Timestamp(1, 0)}, "holds a value of type Timestamp"),
+        (
+            {"kind": "x", "deep": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]},
+            "nests too deeply",
+        ),
+        ({"kind": "x", "e": [{"k": {b"inner": 2}}]}, "map key b'inner' is not a string"),
+    ],
+)
 def test_header_plain_types_only(header, msg):
     # the raw-byte pre-check must never let these through (they hold bin / ext / container markers)
     hb = msgpack.packb(header, use_bin_type=True, datetime=False)
@@ -207,8 +229,10 @@ def test_make_lays_out_offsets_and_encode_keeps_caller_header():
     fr = Frame.make("x", {"a": a, "b": b})
     assert [d["offset"] for d in fr.tensors] == [0, 64]
     # a header built by hand (no offsets): encode lays it out without touching the caller's dicts
-    hand = Frame({"kind": "x", "tensors": [F.tensor_desc("a", "uint8", (3,)), F.tensor_desc("b", "float32", (5,))]},
-                 [memoryview(a), b])
+    hand = Frame(
+        {"kind": "x", "tensors": [F.tensor_desc("a", "uint8", (3,)), F.tensor_desc("b", "float32", (5,))]},
+        [memoryview(a), b],
+    )
     assert "offset" not in hand.tensors[0]
     assert F.encode_bytes(hand) == F.encode_bytes(fr)
     assert "offset" not in hand.tensors[0]

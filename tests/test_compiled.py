@@ -1,6 +1,7 @@
 """The compiled decode step (p2pk3.model.compiled) gives eager's logits (<= 1e-5 relative) and the same greedy
 tokens, builds one graph per bucket (no recompilation as the sequences grow), and falls back to eager,
 saying why, when it cannot be built."""
+
 from __future__ import annotations
 
 import logging
@@ -27,7 +28,9 @@ def _greedy(pipe: Pipeline, batch: int, prompt: int, steps: int) -> tuple[torch.
     for s in ids:
         pipe.open(s)
     g = torch.Generator().manual_seed(1)
-    tok = pipe.forward([Span(s, 0, prompt) for s in ids], torch.randint(0, 500, (batch * prompt,), generator=g)).argmax(-1)
+    tok = pipe.forward([Span(s, 0, prompt) for s in ids], torch.randint(0, 500, (batch * prompt,), generator=g)).argmax(
+        -1
+    )
     logits, toks = [], []
     for k in range(steps):
         lg = pipe.forward([Span(s, prompt + k, 1) for s in ids], tok)
@@ -67,7 +70,9 @@ def test_compile_failure_falls_back_to_eager_and_says_why(model, monkeypatch, ca
     def broken(fn, **kw):
         def run(*a, **k):
             raise RuntimeError("no C++ compiler for this host")
+
         return run
+
     monkeypatch.setattr(torch, "compile", broken)
     ref, ref_tok = _greedy(Pipeline.load(model, 1, compile=False, max_sessions=2, max_tokens=256), 1, 4, 3)
     pipe = Pipeline.load(model, 1, compile=True, max_sessions=2, max_tokens=256)

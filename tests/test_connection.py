@@ -1,4 +1,5 @@
 """Authenticated connections: handshake, wrong secrets, malformed frames, limits, fault hooks."""
+
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +11,11 @@ import pytest
 
 from p2pk3.transport import codec as F
 from p2pk3.transport.connection import (
-    AuthenticationError, ConnectionClosed, HandshakeTimeout, ProtocolError, open_connection,
+    AuthenticationError,
+    ConnectionClosed,
+    HandshakeTimeout,
+    ProtocolError,
+    open_connection,
 )
 from p2pk3.transport.faults import Faults
 from p2pk3.transport.server import serve
@@ -97,16 +102,20 @@ def test_wrong_secret_is_refused_and_server_keeps_serving(caplog):
     with caplog.at_level(logging.INFO, logger=LOG):
         run(main())
     msgs = [r.getMessage() for r in caplog.records]
-    assert any("authentication failed: wrong cluster secret from 127.0.0.1:" in m and "'intruder'" in m for m in msgs), msgs
+    assert any(
+        "authentication failed: wrong cluster secret from 127.0.0.1:" in m and "'intruder'" in m for m in msgs
+    ), msgs
 
 
 def test_client_rejects_server_that_cannot_prove_the_secret(caplog):
     """A fake server that accepts anything: the client must notice it does not know the secret."""
+
     async def main():
         async def fake(reader, writer):
             dec = FrameDecoder(max_payload=0)
-            writer.write(F.encode_bytes(Frame.make("hello", node_id="impostor", version=1, nonce=b"n" * 32,
-                                                   role="server")))
+            writer.write(
+                F.encode_bytes(Frame.make("hello", node_id="impostor", version=1, nonce=b"n" * 32, role="server"))
+            )
             got = []
             while len(got) < 2:
                 data = await reader.read(4096)
@@ -337,14 +346,17 @@ def test_fault_corrupt(caplog):
 
         async with await serve("127.0.0.1", 0, SECRET, "srv", sink, checksum=True) as srv:
             # a corrupted prefix byte
-            c = await open_connection("127.0.0.1", srv.port, SECRET, "c", faults=Faults(corrupt_frame=1, corrupt_offset=0))
+            c = await open_connection(
+                "127.0.0.1", srv.port, SECRET, "c", faults=Faults(corrupt_frame=1, corrupt_offset=0)
+            )
             await c.send(Frame.make("x", i=0))
             await c.send(Frame.make("x", i=1))
             assert await results.get() == 0
             assert "bad magic" in await results.get()
             # a corrupted payload byte, caught by the optional CRC-32
-            c = await open_connection("127.0.0.1", srv.port, SECRET, "c", checksum=True,
-                                      faults=Faults(corrupt_frame=0, corrupt_offset=200))
+            c = await open_connection(
+                "127.0.0.1", srv.port, SECRET, "c", checksum=True, faults=Faults(corrupt_frame=0, corrupt_offset=200)
+            )
             await c.send(Frame.make("x", {"a": np.zeros(100, np.float32)}, i=0))
             assert "checksum mismatch" in await results.get()
 

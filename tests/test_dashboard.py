@@ -1,4 +1,5 @@
 """`p2pk3 dashboard`: the cluster view against a live 2-node ring, also with one node stopped (SIGSTOP)."""
+
 import asyncio
 import json
 import signal
@@ -23,9 +24,25 @@ def ring():
 
 
 def dashboard_json(ring) -> dict:
-    r = subprocess.run([sys.executable, "-P", "-m", "p2pk3.cli", "dashboard", "--topology", str(ring.topology),
-                        "--once", "--json", "--interval", "0.3"], capture_output=True, text=True, timeout=60,
-                       cwd=ring.workdir)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-P",
+            "-m",
+            "p2pk3.cli",
+            "dashboard",
+            "--topology",
+            str(ring.topology),
+            "--once",
+            "--json",
+            "--interval",
+            "0.3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ring.workdir,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stderr == ""  # unreachable nodes are shown, not logged
     return json.loads(r.stdout)
@@ -56,6 +73,7 @@ def test_rates_come_from_the_work_between_two_polls(ring):
         finally:
             c.close()
         return await view.poll()
+
     snap = asyncio.run(go())
     for r in snap["slots"]:
         assert r["tokens_per_s"] > 0 and r["batches_per_s"] > 0 and r["compute_ms"] > 0, r

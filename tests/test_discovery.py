@@ -1,4 +1,5 @@
 """LAN discovery on loopback: two daemons find each other; strangers' and forged beacons are ignored."""
+
 from __future__ import annotations
 
 import asyncio
@@ -26,8 +27,16 @@ def free_udp_port() -> int:
 
 def mk(node: str, port: int, secret: bytes = SECRET, cluster: str = "test", **kw) -> Discovery:
     kw.setdefault("interval", 0.05)
-    return Discovery(cluster, secret, node, port=kw.pop("tcp_port", 5000), beacon_port=port,
-                     beacon_addrs=[BCAST], bind="0.0.0.0", **kw)
+    return Discovery(
+        cluster,
+        secret,
+        node,
+        port=kw.pop("tcp_port", 5000),
+        beacon_port=port,
+        beacon_addrs=[BCAST],
+        bind="0.0.0.0",
+        **kw,
+    )
 
 
 def run(coro):
@@ -36,8 +45,18 @@ def run(coro):
 
 def test_beacon_codec():
     k = beacon_key(SECRET)
-    body = {"cluster": "c", "node": "n", "inst": "i", "seq": 1, "ts": time.time(), "host": "", "port": 1,
-            "slot": "s0", "epoch": 2, "since": None}
+    body = {
+        "cluster": "c",
+        "node": "n",
+        "inst": "i",
+        "seq": 1,
+        "ts": time.time(),
+        "host": "",
+        "port": 1,
+        "slot": "s0",
+        "epoch": 2,
+        "since": None,
+    }
     data = encode_beacon(k, body)
     assert decode_beacon(k, data) == body
     with pytest.raises(BeaconError, match="signature") as ei:
@@ -98,8 +117,18 @@ def test_expiry_replay_skew_and_static_fallback():
         tx.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
 
         def send(**kw):
-            body = {"cluster": "test", "node": "x", "inst": "i1", "seq": 1, "ts": time.time(), "host": "",
-                    "port": 9, "slot": "s7", "epoch": 1, "since": None}
+            body = {
+                "cluster": "test",
+                "node": "x",
+                "inst": "i1",
+                "seq": 1,
+                "ts": time.time(),
+                "host": "",
+                "port": 9,
+                "slot": "s7",
+                "epoch": 1,
+                "since": None,
+            }
             body.update(kw)
             tx.sendto(encode_beacon(k, body), (BCAST, port))
 

@@ -1,5 +1,6 @@
 """tools/doc_corpus/ on small inline samples (no Debian documentation packages needed); every expected text
 below was written by hand."""
+
 import hashlib
 import json
 
@@ -226,7 +227,9 @@ def test_clean_rst_tables_lists_substitutions_versions_seealso_code():
 
 
 def test_clean_rst_resolves_ref_labels_and_joins_continued_signatures():
-    src = ".. _eggs:\n\nEggs\n====\n\nSee :ref:`eggs`.\n\n.. method:: str.cook(a, \\\n                   b)\n\n   Cook.\n"
+    src = (
+        ".. _eggs:\n\nEggs\n====\n\nSee :ref:`eggs`.\n\n.. method:: str.cook(a, \\\n                   b)\n\n   Cook.\n"
+    )
     assert dc.rst_labels({"x": src}) == {"eggs": "Eggs"}
     assert dc.clean_rst(src, dc.rst_labels({"x": src})) == "Eggs\n\nSee Eggs.\n\nstr.cook(a, b)\n\nCook.\n"
 
@@ -236,14 +239,25 @@ def test_clean_man():
 
 
 def test_qa_pairs_from_cleaned_documents():
-    docs = {"py/spam": dc.clean_rst(RST), "man/ls.1": dc.clean_man(MAN),
-            "man/open.2": "NAME\n\nopen, openat - open and possibly create a file\n\nSYNOPSIS\n\nint open(void);\n"}
+    docs = {
+        "py/spam": dc.clean_rst(RST),
+        "man/ls.1": dc.clean_man(MAN),
+        "man/open.2": "NAME\n\nopen, openat - open and possibly create a file\n\nSYNOPSIS\n\nint open(void);\n",
+    }
     assert dc.qa_pairs(docs) == [
-        ("What does the ls command do?", "List information about the FILEs (the current directory by default). "
-         "Sort entries alphabetically, the lowest-numbered first.", "man/ls.1"),
+        (
+            "What does the ls command do?",
+            "List information about the FILEs (the current directory by default). "
+            "Sort entries alphabetically, the lowest-numbered first.",
+            "man/ls.1",
+        ),
         ("What does the open() system call do?", "Open and possibly create a file.", "man/open.2"),
-        ("What is the spam module?", "The open() function and OrderedDict (see the tutorial and PEP 8) accept *args; "
-         "this is important and very important, see Python.", "py/spam"),
+        (
+            "What is the spam module?",
+            "The open() function and OrderedDict (see the tutorial and PEP 8) accept *args; "
+            "this is important and very important, see Python.",
+            "py/spam",
+        ),
         ("What does `spam.eat` do?", "Eat food and return how it tasted. Calls Can.open() first.", "py/spam"),
         ("What is `spam.Can`?", "A tin can that holds spam for a long time.", "py/spam"),
         ("What does `spam.Can.open` do?", "Open the can and return its contents as a list.", "py/spam"),
@@ -255,7 +269,7 @@ def test_qa_pairs_from_cleaned_documents():
 def test_qa_answers_are_whole_sentences_within_the_limit():
     par = "First sentence is here. " * 30
     text = "os.getcwd()\n\n" + par + "\n\nmath.pi\n\nSee foo.\n\nmath.e\n\n    code = 1\n"
-    (q, a, _), = dc.qa_pairs({"py/os": text})
+    ((q, a, _),) = dc.qa_pairs({"py/os": text})
     assert q == "What does `os.getcwd` do?" and a == " ".join(["First sentence is here."] * 16) and len(a) <= 400
 
 
@@ -278,14 +292,19 @@ def test_split_documents_removes_held_out_and_val_paragraphs_and_train_repeats()
     p_held = "This held-out paragraph must never be seen in training."
     p_val = "This validation paragraph must not be in the train split."
     p_rep = "This page is part of the Linux man-pages project, boilerplate."
-    docs = {held: f"Title\n\n{p_held}\n", val: f"{p_held}\n\n{p_val}\n\nshort\n",
-            tr1: f"Own text of the first train document, long enough.\n\n{p_held}\n\n{p_val}\n\n{p_rep}\n\nshort\n",
-            tr2: f"{p_rep}\n\nOwn text of the second train document, long enough.\n\nshort\n"}
+    docs = {
+        held: f"Title\n\n{p_held}\n",
+        val: f"{p_held}\n\n{p_val}\n\nshort\n",
+        tr1: f"Own text of the first train document, long enough.\n\n{p_held}\n\n{p_val}\n\n{p_rep}\n\nshort\n",
+        tr2: f"{p_rep}\n\nOwn text of the second train document, long enough.\n\nshort\n",
+    }
     s = dc.split_documents(docs)
     assert s["heldout"] == {held: docs[held]}
     assert s["val"] == {val: f"{p_val}\n\nshort\n"}
-    assert s["train"] == {tr1: f"Own text of the first train document, long enough.\n\n{p_rep}\n\nshort\n",
-                          tr2: "Own text of the second train document, long enough.\n\nshort\n"}
+    assert s["train"] == {
+        tr1: f"Own text of the first train document, long enough.\n\n{p_rep}\n\nshort\n",
+        tr2: "Own text of the second train document, long enough.\n\nshort\n",
+    }
     assert dc.overlap(s["heldout"], s["train"]) == 0.0
     assert dc.overlap({held: p_held}, {tr1: docs[tr1]}) == 1.0
 
@@ -299,8 +318,10 @@ def test_overlap_counts_distinct_held_out_ngrams():
 
 def test_fixed_questions_are_deterministic_distinct_documents_of_the_split():
     docs = {f"man/cmd{i}.1": f"NAME\n\ncmd{i} - do thing number {i}\n" for i in range(400)}
-    docs |= {f"py/m{i}": "".join(f"m{i}.{f}()\n\nReturn the thing number {i} of kind {f}, computed.\n\n" for f in "fg")
-             for i in range(400)}
+    docs |= {
+        f"py/m{i}": "".join(f"m{i}.{f}()\n\nReturn the thing number {i} of kind {f}, computed.\n\n" for f in "fg")
+        for i in range(400)
+    }
     fq = dc.fixed_questions(docs, "heldout")
     assert len(fq) == 10 and fq == dc.fixed_questions(dict(reversed(docs.items())), "heldout")
     assert len({name for _, _, name in fq}) == 10 and all(dc.split_of(name) == "heldout" for _, _, name in fq)

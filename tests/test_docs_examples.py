@@ -1,6 +1,7 @@
 """The README's commands, run as a user types them (bash, with only the port and the state file's path
 substituted so the test does not collide with a real ring). Every command the README names has a
 working --help; the two set-up commands are the ones .ci/run and the main-command test run."""
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,9 @@ def test_every_command_named_in_the_readme_has_help():
         words = c.split()
         for w in words[-1].split("|") if "|" in words[-1] else [None]:
             argv = words[:-1] + [w] if w else words
-            r = subprocess.run([sys.executable, "-m", "p2pk3.cli", *argv, "--help"], capture_output=True, text=True,
-                               timeout=120)
+            r = subprocess.run(
+                [sys.executable, "-m", "p2pk3.cli", *argv, "--help"], capture_output=True, text=True, timeout=120
+            )
             assert r.returncode == 0, (argv, r.stderr[-1500:])
             assert "Usage:" in r.stdout
 
@@ -57,16 +59,24 @@ def _code(section: str, pattern: str) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("jq") is None or shutil.which("curl") is None,
-                    reason="the README's examples use jq and curl (apt-get install jq curl)")
+@pytest.mark.skipif(
+    shutil.which("jq") is None or shutil.which("curl") is None,
+    reason="the README's examples use jq and curl (apt-get install jq curl)",
+)
 def test_talk_to_a_running_ring_section_as_written(tmp_path):
     """Every command of the section in the order a user runs them: start and wait, chat, curl, the
     client, the dashboard's one JSON document, a kill survived (said in the ring's log), the stop."""
     section = README.split("## Talk to a running ring", 1)[1].split("\n## ", 1)[0]
     port = str(18000 + int(time.time()) % 1000)
     state, log = str(tmp_path / "ring.json"), str(tmp_path / "ring.log")
-    sub = lambda c: (c.replace("/tmp/ring.json", state).replace("/tmp/ring.log", log)  # noqa: E731
-                     .replace("127.0.0.1:8000", f"127.0.0.1:{port}"))
+
+    def sub(c):
+        return (
+            c.replace("/tmp/ring.json", state)
+            .replace("/tmp/ring.log", log)
+            .replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+        )
+
     start = sub(_blocks(section)[0].strip())
     assert start.splitlines()[0].endswith("&") and "until" in start
     r = _sh(start, timeout=300)  # returns once the ring is up (the ring runs on in the background)
@@ -126,7 +136,9 @@ def _deploy_commands() -> list[str]:
     for lang, block in re.findall(r"```([a-z]*)\n(.*?)```", DEPLOY, flags=re.S):
         if lang == "toml":
             continue
-        out += [ln.strip() for ln in block.splitlines() if ln.strip() and not ln.startswith(("sudo ", "#", "journalctl"))]
+        out += [
+            ln.strip() for ln in block.splitlines() if ln.strip() and not ln.startswith(("sudo ", "#", "journalctl"))
+        ]
     return out
 
 
@@ -135,14 +147,15 @@ def test_the_readme_deploy_section_has_the_deploy_docs_steps_and_commands():
     readme = [c for c in re.findall(r"`([^`]+)`", section) if c.split()[0] in ("p2pk3", "pip", "scp")]
     doc = _deploy_commands()
     assert doc == [c for c in readme if c in doc], (doc, readme)  # every command of the doc, in the same order
-    assert all(c in doc or c.split()[:2] in (["p2pk3", "topology"], ["p2pk3", "secret"], ["p2pk3", "serve"])
-               for c in readme), readme  # the README's others are the alternatives the doc names in prose
+    assert all(
+        c in doc or c.split()[:2] in (["p2pk3", "topology"], ["p2pk3", "secret"], ["p2pk3", "serve"]) for c in readme
+    ), readme  # the README's others are the alternatives the doc names in prose
     for alt in ("p2pk3 topology init", "p2pk3 secret --out /etc/p2pk3/cluster.key"):
         assert alt in DEPLOY and alt in section
     titles = re.findall(r"^## \d\. (.+)$", DEPLOY, flags=re.M)
     steps = re.findall(r"^\d\. \*\*(\w+)\*\*", section, flags=re.M)
     assert [t.split()[0].rstrip(":") for t in titles] == steps, (titles, steps)
-    assert "cluster.key" in DEPLOY and "secret\"" not in DEPLOY  # one secret file name
+    assert "cluster.key" in DEPLOY and 'secret"' not in DEPLOY  # one secret file name
 
 
 def test_deploy_doc_commands_run_on_loopback(tmp_path):
@@ -160,14 +173,19 @@ def test_deploy_doc_commands_run_on_loopback(tmp_path):
     nodes_toml = re.findall(r"```toml\n(.*?)```", DEPLOY, flags=re.S)[0]
     ports = iter(free_ports(8))
     nodes_toml = re.sub(r'host = "10\.0\.0\.\d+"', 'host = "127.0.0.1"', nodes_toml)
-    nodes_toml = re.sub(r"port = 47920", lambda m: f"port = {next(ports)}", nodes_toml).replace("count = 8", "count = 1")
+    nodes_toml = re.sub(r"port = 47920", lambda m: f"port = {next(ports)}", nodes_toml).replace(
+        "count = 8", "count = 1"
+    )
     (etc / "NODES.toml").write_text(nodes_toml)
 
     def sub(c: str) -> str:
-        c = (c.replace("/etc/p2pk3", str(etc)).replace("/models/kimi-k3", str(models))
-             .replace("--model kimi-k3", f"--model {model}"))
+        c = (
+            c.replace("/etc/p2pk3", str(etc))
+            .replace("/models/kimi-k3", str(models))
+            .replace("--model kimi-k3", f"--model {model}")
+        )
         if c.startswith("p2pk3 topology check"):  # K3's topology names its preset; the embedded model has none,
-            c += f" --model {model}"              # and its config is not in [model] path before the download
+            c += f" --model {model}"  # and its config is not in [model] path before the download
         return c
 
     with HubStandIn(hub_root, repo="moonshotai/Kimi-K3") as hub:
@@ -176,12 +194,12 @@ def test_deploy_doc_commands_run_on_loopback(tmp_path):
         for c in _deploy_commands():
             if c.startswith(("pip ", "scp ")) or c.split()[:2] in (["p2pk3", "dashboard"], ["p2pk3", "chat"]):
                 continue  # installed already; one host; the ring's commands run once it is up
-            r = _sh(sub(c).replace("p2pk3 ", f"{sys.executable} -m p2pk3.cli ", 1), timeout=300, env=env,
-                    cwd=tmp_path)
+            r = _sh(sub(c).replace("p2pk3 ", f"{sys.executable} -m p2pk3.cli ", 1), timeout=300, env=env, cwd=tmp_path)
             assert r.returncode == 0, (c, r.stdout[-2000:], r.stderr[-2000:])
             ran.append((c.split()[1], r.stdout + r.stderr))
     assert [w for w, _ in ran] == ["plan", "topology", "download", "systemd"], ran
     from p2pk3.topology import Topology
+
     topo = Topology.load(etc / "topology.toml")
     assert topo.cluster.secret_file == "cluster.key" and (etc / "cluster.key").is_file()  # plan created it
     assert topo.model.repo == "moonshotai/Kimi-K3" and Path(topo.model.path) == models
@@ -192,8 +210,15 @@ def test_deploy_doc_commands_run_on_loopback(tmp_path):
     try:
         for s in topo.active:  # as systemd starts them: the unit's command, the slot's env file's extra flags
             cmd = exec_start.replace("%i", s.id).replace("$P2PK3_NODE_ARGS", "--no-discovery")
-            procs.append(subprocess.Popen(["bash", "-c", cmd], env={**os.environ, "PYTHONPATH": str(ROOT)},
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+            procs.append(
+                subprocess.Popen(
+                    ["bash", "-c", cmd],
+                    env={**os.environ, "PYTHONPATH": str(ROOT)},
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
         dash = sub(next(c for c in _deploy_commands() if c.startswith("p2pk3 dashboard")))
         deadline = time.monotonic() + 120
         while True:
@@ -201,12 +226,18 @@ def test_deploy_doc_commands_run_on_loopback(tmp_path):
             states = {row["slot"]: row["state"] for row in json.loads(r.stdout)["slots"]} if r.returncode == 0 else {}
             if all(states.get(s.id) == "up" for s in topo.active):  # the doc's dashboard says every slot serves
                 break
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
-                (r.stdout[-1500:], r.stderr[-1500:], [p.stderr.read() for p in procs if p.poll() is not None])
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), (
+                r.stdout[-1500:],
+                r.stderr[-1500:],
+                [p.stderr.read() for p in procs if p.poll() is not None],
+            )
             time.sleep(1)
         chat = sub(next(c for c in _deploy_commands() if c.startswith("p2pk3 chat")))
-        r = _sh("echo 'What is a tuple?' | " + chat.replace("p2pk3 ", f"{sys.executable} -m p2pk3.cli ", 1),
-                env=env, timeout=180)
+        r = _sh(
+            "echo 'What is a tuple?' | " + chat.replace("p2pk3 ", f"{sys.executable} -m p2pk3.cli ", 1),
+            env=env,
+            timeout=180,
+        )
         assert r.returncode == 0 and r.stdout.strip(), (r.stdout[-1500:], r.stderr[-1500:])
     finally:
         for p in procs:

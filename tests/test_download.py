@@ -1,5 +1,6 @@
 """`p2pk3 download` with the real huggingface_hub client against a local stand-in of the hub
 (tests/hub_standin.py, HF_ENDPOINT=http://127.0.0.1:PORT), and LAN sharing between daemons."""
+
 from __future__ import annotations
 
 import asyncio
@@ -41,19 +42,44 @@ def hub(repo):
         yield h
 
 
-def write_topology(d: Path, hosts=("127.0.0.1", "127.0.0.1", "10.255.1.1"), ports=None, layers=((0, 1), (2, 3), (4, 5)),
-                   path="model", standby=False) -> Path:
+def write_topology(
+    d: Path,
+    hosts=("127.0.0.1", "127.0.0.1", "10.255.1.1"),
+    ports=None,
+    layers=((0, 1), (2, 3), (4, 5)),
+    path="model",
+    standby=False,
+) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     (d / "secret").write_text(SECRET)
     ports = ports or free_ports(len(hosts) + 1)
-    lines = ['[cluster]', 'name = "t"', 'secret_file = "secret"', 'beacon_addrs = ["127.255.255.255"]',
-             f'beacon_port = {ports[-1]}', '[model]', f'path = "{path}"']
+    lines = [
+        "[cluster]",
+        'name = "t"',
+        'secret_file = "secret"',
+        'beacon_addrs = ["127.255.255.255"]',
+        f"beacon_port = {ports[-1]}",
+        "[model]",
+        f'path = "{path}"',
+    ]
     for i, (h, l) in enumerate(zip(hosts, layers)):
-        lines += ['[[slots]]', f'id = "s{i}"', f'host = "{h}"', f'port = {ports[i]}', 'gpu_memory_gb = 2',
-                  f'layers = [{l[0]}, {l[1]}]']
+        lines += [
+            "[[slots]]",
+            f'id = "s{i}"',
+            f'host = "{h}"',
+            f"port = {ports[i]}",
+            "gpu_memory_gb = 2",
+            f"layers = [{l[0]}, {l[1]}]",
+        ]
     if standby:
-        lines += ['[[slots]]', 'id = "spare"', 'host = "127.0.0.1"', f'port = {ports[len(hosts)]}',
-                  'gpu_memory_gb = 2', 'standby = true']
+        lines += [
+            "[[slots]]",
+            'id = "spare"',
+            'host = "127.0.0.1"',
+            f"port = {ports[len(hosts)]}",
+            "gpu_memory_gb = 2",
+            "standby = true",
+        ]
     p = d / "topo.toml"
     p.write_text("\n".join(lines) + "\n")
     return p
@@ -97,8 +123,7 @@ def sha(p: Path) -> str:
 # ------------------------------------------------------------------------------------------ hub
 def test_only_the_slots_shards_are_fetched_and_verified(tmp_path, hub, repo):
     t = write_topology(tmp_path)
-    r = run(["download", "--topology", str(t), "--slot", "s0", "--repo", hub.repo, "--quiet"],
-            {"HF_ENDPOINT": hub.url})
+    r = run(["download", "--topology", str(t), "--slot", "s0", "--repo", hub.repo, "--quiet"], {"HF_ENDPOINT": hub.url})
     assert r.exit_code == 0, r.output
     want = shards_for(repo, {0, 1}, embed=True)
     assert want < all_shards(repo)  # the test means something: s0 does not need every shard
@@ -169,11 +194,15 @@ def test_token_and_unknown_repo(tmp_path, repo):
     with HubStandIn(repo, token="hf_good") as hub:
         r = run(["download", "--topology", str(t), "--slot", "s0", "--repo", hub.repo], {"HF_ENDPOINT": hub.url})
         assert r.exit_code == 1 and "refused access (HTTP 401): set HF_TOKEN" in r.output
-        r = run(["download", "--topology", str(t), "--slot", "s0", "--repo", hub.repo, "--quiet"],
-                {"HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_good"})
+        r = run(
+            ["download", "--topology", str(t), "--slot", "s0", "--repo", hub.repo, "--quiet"],
+            {"HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_good"},
+        )
         assert r.exit_code == 0, r.output
-        r = run(["download", "--topology", str(t), "--slot", "s0", "--repo", hub.repo, "--revision", "nope"],
-                {"HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_good"})
+        r = run(
+            ["download", "--topology", str(t), "--slot", "s0", "--repo", hub.repo, "--revision", "nope"],
+            {"HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_good"},
+        )
         assert r.exit_code == 1 and "revision 'nope' not found in org/tiny-k3" in r.output
 
 
@@ -235,18 +264,26 @@ def test_a_file_the_hub_changed_since_the_manifest_is_fetched_again(tmp_path, re
 
 def test_offline_uses_what_is_there_and_names_what_is_missing(tmp_path, hub, repo):
     t = write_topology(tmp_path)
-    assert run(["download", "--topology", str(t), "--slot", "s0", "--repo", hub.repo, "--quiet"],
-               {"HF_ENDPOINT": hub.url}).exit_code == 0
+    assert (
+        run(
+            ["download", "--topology", str(t), "--slot", "s0", "--repo", hub.repo, "--quiet"], {"HF_ENDPOINT": hub.url}
+        ).exit_code
+        == 0
+    )
     hub.log.clear()
-    r = run(["download", "--topology", str(t), "--slot", "s0", "--quiet"], {"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": hub.url})
+    r = run(
+        ["download", "--topology", str(t), "--slot", "s0", "--quiet"], {"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": hub.url}
+    )
     assert r.exit_code == 0, r.output
     assert "(offline)" in r.output and hub.log == []
     missing = sorted(shards_for(repo, {4, 5}, head=True) - shards_for(repo, {0, 1}, embed=True))
     assert missing
     r = run(["download", "--topology", str(t), "--slot", "s2"], {"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": hub.url})
     assert r.exit_code == 1 and hub.log == []
-    assert (f"offline (HF_HUB_OFFLINE=1): {len(missing)} file(s) needed here are missing in "
-            f"{tmp_path / 'model'}: {', '.join(missing)}; run without HF_HUB_OFFLINE, or with --from-peers") in r.output
+    assert (
+        f"offline (HF_HUB_OFFLINE=1): {len(missing)} file(s) needed here are missing in "
+        f"{tmp_path / 'model'}: {', '.join(missing)}; run without HF_HUB_OFFLINE, or with --from-peers"
+    ) in r.output
 
 
 # ------------------------------------------------------------------------------------------ peers
@@ -264,19 +301,36 @@ def peer_ring(topo_path):
     """The daemons of these tests (started by `ring.call(ring.start(slot, model_dir))`) in a thread's loop, as
     the CLI under test runs loops of its own."""
     from p2pk3.topology import Topology
+
     topo = Topology.load(topo_path)
-    return ring_in_thread(topo, None, slots=(), secret=topo.secret(), host="127.0.0.1", claim_wait=0.1,
-                          dead_after_s=30, heartbeat_s=5)
+    return ring_in_thread(
+        topo, None, slots=(), secret=topo.secret(), host="127.0.0.1", claim_wait=0.1, dead_after_s=30, heartbeat_s=5
+    )
 
 
 def test_from_peers_fetches_from_the_peer_not_the_hub(tmp_path, hub, repo, full_dir):
-    t = write_topology(tmp_path / "ring", hosts=("127.0.0.1", "127.0.0.1"), layers=((0, 2), (3, 5)),
-                       path=str(full_dir))
+    t = write_topology(tmp_path / "ring", hosts=("127.0.0.1", "127.0.0.1"), layers=((0, 2), (3, 5)), path=str(full_dir))
     with peer_ring(t) as ring:
         d = ring.call(ring.start("s0", full_dir))
         new = tmp_path / "new"
-        r = run(["download", "--topology", str(t), "--slot", "s1", "--local-dir", str(new), "--repo", hub.repo,
-                 "--from-peers", "--peer-rate", "50", "--quiet"], {"HF_ENDPOINT": hub.url})
+        r = run(
+            [
+                "download",
+                "--topology",
+                str(t),
+                "--slot",
+                "s1",
+                "--local-dir",
+                str(new),
+                "--repo",
+                hub.repo,
+                "--from-peers",
+                "--peer-rate",
+                "50",
+                "--quiet",
+            ],
+            {"HF_ENDPOINT": hub.url},
+        )
         assert r.exit_code == 0, r.output
         want = shards_for(repo, {3, 4, 5}, head=True)
         assert fetched(hub) == set()  # only the metadata call reached the hub
@@ -291,6 +345,7 @@ def test_from_peers_fetches_from_the_peer_not_the_hub(tmp_path, hub, repo, full_
 
 def Topology_port(t, sid):
     from p2pk3.topology import Topology
+
     return Topology.load(t).slot(sid).port
 
 
@@ -318,8 +373,13 @@ def test_a_peer_serves_only_manifest_files(tmp_path, hub, repo, full_dir):
             conn = await open_connection("127.0.0.1", d.port, SECRET, "tester", timeout=5, handshake_timeout=5)
             out = {}
             try:
-                for key, path in [("dotdot", "../outside.txt"), ("abs", "/etc/passwd"), ("notes", "notes.txt"),
-                                  ("manifest", MANIFEST_FILE), ("link", "evil.safetensors")]:
+                for key, path in [
+                    ("dotdot", "../outside.txt"),
+                    ("abs", "/etc/passwd"),
+                    ("notes", "notes.txt"),
+                    ("manifest", MANIFEST_FILE),
+                    ("link", "evil.safetensors"),
+                ]:
                     out[key] = await ask(conn, path=path, offset=0, length=100)
                 out["ok"] = await ask(conn, path=shard, offset=8, length=100)  # same connection: still served
                 listing = Frame.make("file_list", request_id="r2")
@@ -331,13 +391,20 @@ def test_a_peer_serves_only_manifest_files(tmp_path, hub, repo, full_dir):
 
         out = ring.call(go())
         msg = {k: v.header.get("message") for k, v in out.items() if v.kind == "error"}
-        assert msg["dotdot"] == ("file_get refused: '../outside.txt' is not a plain relative file name of the model "
-                                 "directory (no '..', no absolute path)")
+        assert msg["dotdot"] == (
+            "file_get refused: '../outside.txt' is not a plain relative file name of the model "
+            "directory (no '..', no absolute path)"
+        )
         assert "'/etc/passwd' is not a plain relative file name" in msg["abs"]
-        assert msg["notes"] == (f"file_get refused: 'notes.txt' is not in this node's manifest {full_dir / MANIFEST_FILE}; "
-                                f"only verified checkpoint files are served")
+        assert msg["notes"] == (
+            f"file_get refused: 'notes.txt' is not in this node's manifest {full_dir / MANIFEST_FILE}; "
+            f"only verified checkpoint files are served"
+        )
         assert f"'{MANIFEST_FILE}' is not in this node's manifest" in msg["manifest"]
-        assert msg["link"] == f"file_get refused: 'evil.safetensors' resolves outside the model directory {full_dir.resolve()}"
+        assert (
+            msg["link"]
+            == f"file_get refused: 'evil.safetensors' resolves outside the model directory {full_dir.resolve()}"
+        )
         assert all(out[k].header["code"] == "bad_request" for k in msg)
         ok = out["ok"]
         assert ok.kind == "file_chunk" and bytes(ok.buffer("data")) == (repo / shard).read_bytes()[8:108]
@@ -346,11 +413,25 @@ def test_a_peer_serves_only_manifest_files(tmp_path, hub, repo, full_dir):
 
 
 def test_standby_fetches_a_slots_shards_from_peers_before_taking_it_over(tmp_path, hub, repo, full_dir):
-    t = write_topology(tmp_path / "ring", hosts=("127.0.0.1", "127.0.0.1"), layers=((0, 2), (3, 5)),
-                       path=str(full_dir), standby=True)
+    t = write_topology(
+        tmp_path / "ring", hosts=("127.0.0.1", "127.0.0.1"), layers=((0, 2), (3, 5)), path=str(full_dir), standby=True
+    )
     spare_dir = tmp_path / "spare"
-    r = run(["download", "--topology", str(t), "--slot", "spare", "--local-dir", str(spare_dir), "--repo", hub.repo,
-             "--quiet"], {"HF_ENDPOINT": hub.url})
+    r = run(
+        [
+            "download",
+            "--topology",
+            str(t),
+            "--slot",
+            "spare",
+            "--local-dir",
+            str(spare_dir),
+            "--repo",
+            hub.repo,
+            "--quiet",
+        ],
+        {"HF_ENDPOINT": hub.url},
+    )
     assert r.exit_code == 0, r.output
     assert not list(spare_dir.glob("model-*.safetensors"))  # a spare holds no shards, only config/index/tokenizer
     with peer_ring(t) as ring:

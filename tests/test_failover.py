@@ -3,6 +3,7 @@ greedy sessions of different lengths started at different times, and one failure
 session must complete with exactly the tokens of an undisturbed run (the in-process reference), and
 nothing may wait without a deadline. Detection and recovery times come from the entry's failure log
 and are printed (pytest -s shows them)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -39,6 +40,7 @@ async def _sessions(ring, fault, *, after_tokens=8):
             counts[i] += 1
             if i == 0 and counts[0] == after_tokens:
                 started.set()
+
         return f
 
     async def one(i):
@@ -81,13 +83,18 @@ def _ring(ckpt, standby=1):
     return LocalRing(ckpt, 4, standby=standby)
 
 
-@pytest.mark.parametrize("victim,sig", [("s1", signal.SIGKILL), ("s3", signal.SIGKILL), ("s2", signal.SIGSTOP)],
-                         ids=["kill-middle", "kill-last", "stop-middle"])
+@pytest.mark.parametrize(
+    "victim,sig",
+    [("s1", signal.SIGKILL), ("s3", signal.SIGKILL), ("s2", signal.SIGSTOP)],
+    ids=["kill-middle", "kill-last", "stop-middle"],
+)
 def test_stage_failure_is_taken_over_and_replayed(ckpt, want, victim, sig):
     with _ring(ckpt) as ring:
+
         async def go():
             async def fault():
                 ring.signal(victim, sig)
+
             outs, t = await _sessions(ring, fault)
             st = await _entry_status(ring)
             return outs, t, st, await ring.state()
@@ -105,17 +112,21 @@ def test_stage_failure_is_taken_over_and_replayed(ckpt, want, victim, sig):
 
 def test_entry_failure_standby_takes_the_entry_and_clients_resume(ckpt, want):
     with _ring(ckpt) as ring:
+
         async def go():
             async def fault():
                 # the standby must have heard the entry once (its detector takes over only a slot that
                 # was up); its first heartbeats may have gone out before the entry listened
                 await asyncio.sleep(3 * 0.5 + 1.0)
                 ring.signal("s0", signal.SIGKILL)
+
             outs, t = await _sessions(ring, fault)
             return outs, t, await ring.state()
 
         outs, t_fault, state = asyncio.run(go())
-        print(f"\n[fault matrix] SIGKILL s0 (entry): every client resumed, {time.time() - t_fault:.2f} s after the kill")
+        print(
+            f"\n[fault matrix] SIGKILL s0 (entry): every client resumed, {time.time() - t_fault:.2f} s after the kill"
+        )
         assert outs == want
         entry = [n for n in state["nodes"] if n["role"] == "entry"]
         assert entry and entry[0]["slot"] == "s0" and entry[0]["started_on"] == "s4", state
@@ -134,12 +145,15 @@ def test_entry_never_heard_by_the_standby_is_taken_over_after_the_startup_grace(
                 await asyncio.sleep(1.5)  # every client connected (a new client waits 10 s for an entry)
                 ring.signal("s0", signal.SIGKILL)
                 ring.spawn("s4")
+
             outs, t = await _sessions(ring, fault)
             return outs, t, await ring.state()
 
         outs, t_fault, state = asyncio.run(go())
-        print(f"\n[fault matrix] SIGKILL s0 (entry) before the standby started: every client resumed, "
-              f"{time.time() - t_fault:.2f} s after the kill")
+        print(
+            f"\n[fault matrix] SIGKILL s0 (entry) before the standby started: every client resumed, "
+            f"{time.time() - t_fault:.2f} s after the kill"
+        )
         assert outs == want
         entry = [n for n in state["nodes"] if n["role"] == "entry"]
         assert entry and entry[0]["slot"] == "s0" and entry[0]["started_on"] == "s4", state
@@ -150,9 +164,11 @@ def test_entry_never_heard_by_the_standby_is_taken_over_after_the_startup_grace(
 
 def test_killed_standby_changes_nothing_and_restarted_node_does_not_take_its_slot_back(ckpt, want):
     with _ring(ckpt) as ring:
+
         async def go():
             async def fault():
                 ring.signal("s4", signal.SIGKILL)  # the standby itself
+
             outs1, _ = await _sessions(ring, fault)
             st = await _entry_status(ring)
             return outs1, st
@@ -168,6 +184,7 @@ def test_killed_standby_changes_nothing_and_restarted_node_does_not_take_its_slo
         async def go2():
             async def fault():
                 ring.signal("s2", signal.SIGKILL)
+
             outs, _ = await _sessions(ring, fault)
             return outs
 
@@ -186,6 +203,7 @@ def test_no_standby_gives_clear_errors_then_recovers_when_a_spare_starts(ckpt, w
         async def go():
             async def fault():
                 ring.signal("s2", signal.SIGKILL)
+
             outs, _ = await _sessions(ring, fault)
             c = await ring.client()
             try:
@@ -199,8 +217,9 @@ def test_no_standby_gives_clear_errors_then_recovers_when_a_spare_starts(ckpt, w
         errors = [o for o in outs if isinstance(o, RequestError)]
         assert errors, "sessions in flight must end with an error when no standby can take the slot"
         for e in errors:  # by the failure detector, or by s1's link to s2 failing first: both name the slot
-            assert e.code == "unavailable" and ("slot s2 is down" in e.message
-                                                or "slot s2 is unreachable from slot s1" in e.message), e
+            assert e.code == "unavailable" and (
+                "slot s2 is down" in e.message or "slot s2 is unreachable from slot s1" in e.message
+            ), e
         assert refused.code == "unavailable" and "slot s2 is down" in refused.message
         for o, w in zip(outs, want):  # sessions that finished before the kill are intact
             if not isinstance(o, RequestError):

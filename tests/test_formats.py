@@ -12,6 +12,7 @@
 * Held-out perplexity of the embedded model with the formats on (docs/quality.md).
 Fresh random inputs per run; the seed is in every message and `P2PK3_TEST_SEED=<n>` replays it.
 """
+
 from __future__ import annotations
 
 import os
@@ -38,7 +39,14 @@ import torch.nn.functional as F
 
 from p2pk3.quant import convert
 from p2pk3.quant import formats as fmts
-from p2pk3.quant.convert import MXLinear, apply_formats, dequantize_mxfp8, dequantize_weight, quantize_mxfp8, quantize_weight
+from p2pk3.quant.convert import (
+    MXLinear,
+    apply_formats,
+    dequantize_mxfp8,
+    dequantize_weight,
+    quantize_mxfp8,
+    quantize_weight,
+)
 from p2pk3.quant.formats import BYTES_PER_PARAM, FormatError, class_of, parse_formats
 from p2pk3.quant.mxfp4 import mxfp8_e4m3_fake_quant, quantize_mxfp4
 from p2pk3_kernels import mx_linear_ref, ops
@@ -55,7 +63,7 @@ def spread_weights(out_f: int, in_f: int) -> torch.Tensor:
     w = torch.randn(out_f, in_f) * torch.exp2(torch.randint(-100, 14, (out_f, 1)).float())
     w[0, : min(32, in_f)] = 0.0
     if out_f > 1:
-        w[1, :] = torch.tensor([1.0, 1.0625, 1.1875, 448.0, 460.0, 2.0 ** -9 * 3] * in_f)[:in_f]  # ties, saturation
+        w[1, :] = torch.tensor([1.0, 1.0625, 1.1875, 448.0, 460.0, 2.0**-9 * 3] * in_f)[:in_f]  # ties, saturation
     return w
 
 
@@ -141,7 +149,7 @@ def random_mx(n: int, k: int, fmt: str, garbage_pad: bool = True):
 
 @pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
 def test_reference_matches_float64_oracle(seed, fmt):
-    for (m, n, k) in [(5, 19, 64), (3, 8, 45)]:
+    for m, n, k in [(5, 19, 64), (3, 8, 45)]:
         data, scale = random_mx(n, k, fmt)
         x = torch.randn(m, k)
         w = decode_oracle(data.numpy(), scale.numpy(), fmt)[:, :k]
@@ -167,8 +175,9 @@ def test_reference_checks_shapes():
 
 
 # ------------------------------------------------------------------------------------------ Triton kernel
-needs_triton = pytest.mark.skipif(DEVICE == "cpu" and not INTERP,
-                                  reason="no CUDA device and TRITON_INTERPRET was not set before triton was imported")
+needs_triton = pytest.mark.skipif(
+    DEVICE == "cpu" and not INTERP, reason="no CUDA device and TRITON_INTERPRET was not set before triton was imported"
+)
 
 
 @needs_triton
@@ -177,6 +186,7 @@ needs_triton = pytest.mark.skipif(DEVICE == "cpu" and not INTERP,
 def test_triton_kernel_matches_reference(seed, fmt, dtype, monkeypatch):
     pytest.importorskip("triton")
     from p2pk3_kernels import mx_linear as mxk
+
     monkeypatch.setattr(mxk, "_POISON", True)
     # fp32: summation order only; fp16 output: an element may round to the neighbouring fp16 value when the
     # split-K partial sums add in another order (~5e-4 relative on that element, ~1e-5 over the matrix)
@@ -200,6 +210,7 @@ def test_triton_kernel_matches_reference(seed, fmt, dtype, monkeypatch):
 def test_ops_dispatch_reaches_both_paths(monkeypatch):
     pytest.importorskip("triton")
     from p2pk3_kernels import mx_linear as mxk
+
     calls = []
     monkeypatch.setattr(mxk, "mx_linear", lambda *a, **k: calls.append("triton") or mx_linear_ref.mx_linear(*a))
     monkeypatch.setattr(ops, "mx_linear", ops._pick("mx_linear", "mx_linear", mx_linear_ref.mx_linear))
@@ -227,8 +238,10 @@ def test_parse_formats_and_errors():
         parse_formats("lm_head=fp8")
     with pytest.raises(FormatError, match="not CLASS=FORMAT"):
         parse_formats("attention")
-    assert fmts.format_spec({"shared_experts": "mxfp4", "attention": "mxfp8", "dense": "bf16"}) == \
-        "attention=mxfp8,shared_experts=mxfp4"
+    assert (
+        fmts.format_spec({"shared_experts": "mxfp4", "attention": "mxfp8", "dense": "bf16"})
+        == "attention=mxfp8,shared_experts=mxfp4"
+    )
     assert BYTES_PER_PARAM == {"bf16": 2.0, "mxfp8": 1 + 1 / 32, "mxfp4": 0.5 + 1 / 32}
 
 
@@ -241,21 +254,28 @@ def test_one_vocabulary_for_the_cli_the_topology_and_the_planner():
     assert parse_formats("router=shipped,routed_experts=mxfp4,embedding=shipped") == {}
     # ... and what the loader's took, one result for both
     assert parse_formats("dense=mxfp8") == {"dense": "mxfp8"}
-    assert parse_formats("lm_head=bf16,non-experts=mxfp4") == {**dict.fromkeys(fmts.TENSOR_CLASSES, "mxfp4"),
-                                                             "lm_head": "bf16"}  # a named class wins
+    assert parse_formats("lm_head=bf16,non-experts=mxfp4") == {
+        **dict.fromkeys(fmts.TENSOR_CLASSES, "mxfp4"),
+        "lm_head": "bf16",
+    }  # a named class wins
     assert parse_formats("expert_inputs=mxfp8") == {"expert_inputs": "mxfp8"}  # not part of non-experts
     assert "expert_inputs" not in parse_formats("non-experts=mxfp8")
-    for bad, want in (("atention=mxfp8", "did you mean 'attention'?"), ("dense=mxpf8", "did you mean 'mxfp8'?"),
-                      ("non-expert=mxfp8", "did you mean 'non-experts'?"),
-                      ("router=mxfp8", "router cannot be stored as mxfp8"),
-                      ("routed_experts=mxfp8", "ship in MXFP4"), ("expert_inputs=mxfp4", "bf16 or mxfp8"),
-                      ("dense=mxfp8,dense_mlp=mxfp4", "'dense' given twice")):
+    for bad, want in (
+        ("atention=mxfp8", "did you mean 'attention'?"),
+        ("dense=mxpf8", "did you mean 'mxfp8'?"),
+        ("non-expert=mxfp8", "did you mean 'non-experts'?"),
+        ("router=mxfp8", "router cannot be stored as mxfp8"),
+        ("routed_experts=mxfp8", "ship in MXFP4"),
+        ("expert_inputs=mxfp4", "bf16 or mxfp8"),
+        ("dense=mxfp8,dense_mlp=mxfp4", "'dense' given twice"),
+    ):
         with pytest.raises(FormatError, match=want):
             parse_formats(bad)
 
 
 def test_expert_inputs_entry_quantizes_the_expert_input_of_the_loaded_stage(ckpt):
     from p2pk3.model.kimi_k3 import LatentMoE
+
     st = _stage(ckpt, {"expert_inputs": "mxfp8"})
     moes = [m for m in st.modules() if isinstance(m, LatentMoE)]
     assert moes and all(m.mxfp8_activations for m in moes) and LatentMoE.mxfp8_activations is False
@@ -279,6 +299,7 @@ layers = [0, 5]
 def test_topology_formats_round_trip_and_errors():
     from p2pk3.topology import Topology
     from p2pk3.topology.specs import TopologyError
+
     t = Topology.loads(TOPO.format(formats='formats = { attention = "mxfp8", shared_experts = "mxfp4" }'))
     assert t.model.formats == {"attention": "mxfp8", "shared_experts": "mxfp4"}
     assert Topology.loads(t.dump()).model.formats == t.model.formats
@@ -295,6 +316,7 @@ def test_topology_formats_round_trip_and_errors():
 def test_class_of_covers_every_checkpoint_matrix():
     from p2pk3.model.config import KIMI_K3, TINY_K3
     from p2pk3.model.weights import all_tensors
+
     never = ("embed_tokens", "block_sparse_moe.gate.weight", "_res_proj.weight", ".experts.")
     for cfg in (TINY_K3, KIMI_K3.replace(num_experts=2, num_experts_per_token=1)):
         for name, sp in all_tensors(cfg).items():
@@ -317,12 +339,14 @@ def _stage(ckpt, formats=None, cache=None):
     from p2pk3.checkpoint.stage import load_stage
     from p2pk3.model.config import K3Config
     from p2pk3.model.stage import StagePlan
+
     cfg = K3Config.from_pretrained(ckpt)
     return load_stage(ckpt, StagePlan.whole(cfg), "float32", "cpu", cfg, formats, cache)
 
 
 def _logits(stage, toks, incremental=False):
     from p2pk3.engine.reference import Pipeline
+
     return Pipeline([stage], max_sessions=1, max_tokens=64, block_size=8).score(toks, incremental=incremental)
 
 
@@ -381,13 +405,16 @@ def test_cache_file_is_written_then_reused(ckpt, tmp_path):
         if isinstance(m, MXLinear):
             assert torch.equal(m.data, m2.data) and torch.equal(m.scale, m2.scale), n
     assert torch.equal(_logits(a, TOKS), _logits(b, TOKS))
-    assert isinstance(c.model.layers["1"].self_attn.q_proj, MXLinear) and \
-        c.model.layers["1"].self_attn.q_proj.fmt == "mxfp4"
+    assert (
+        isinstance(c.model.layers["1"].self_attn.q_proj, MXLinear)
+        and c.model.layers["1"].self_attn.q_proj.fmt == "mxfp4"
+    )
 
 
 def test_tied_lm_head_is_refused():
     from p2pk3.model.config import TINY_K3
     from p2pk3.model.stage import K3Stage, StagePlan
+
     cfg = TINY_K3.replace(tie_word_embeddings=True, num_hidden_layers=1, full_attn_layers=(0,))
     st = K3Stage(cfg, StagePlan.whole(cfg))
     with pytest.raises(FormatError, match="tied"):
@@ -415,12 +442,13 @@ def test_shipped_model_perplexity_with_formats():
     from p2pk3.model.config import K3Config
     from p2pk3.model.stage import StagePlan
     from p2pk3.tokenizer import load_tokenizer
+
     cfg = K3Config.from_pretrained(MODEL)
     tok = load_tokenizer(MODEL)
     rec = json.loads((MODEL / "heldout_eval.json").read_text())
     ids = (([tok.bos_id] if rec["prepend_bos"] else []) + tok.encode(rec["text"]))[: rec["num_tokens"]]
     T, W = rec["window"], rec["windows"]
-    x = torch.tensor([ids[w * T: w * T + T + 1] for w in range(W)])
+    x = torch.tensor([ids[w * T : w * T + T + 1] for w in range(W)])
 
     def ppl(formats):
         st = load_stage(MODEL, StagePlan.whole(cfg), "float32", "cpu", cfg, formats)
@@ -439,7 +467,7 @@ def test_shipped_model_perplexity_with_formats():
 
 
 # ------------------------------------------------------------------------------------------ offline compile
-COMPILE_SCRIPT = r'''
+COMPILE_SCRIPT = r"""
 import json, re, sys, warnings
 warnings.filterwarnings("ignore")
 import triton
@@ -462,7 +490,7 @@ for act in ("bf16", "fp32"):
             res = dict(ok=False, err=f"{type(e).__name__}: {e}"[:2000])
         res.update(act=act, fp4=fp4)
         print("RESULT " + json.dumps(res), flush=True)
-'''
+"""
 
 
 @pytest.mark.slow
@@ -472,6 +500,7 @@ def test_offline_compile_mx_linear(cap):
     activations its dots run on tensor cores (wgmma / mma.sync with bf16 operands)."""
     import subprocess
     import sys
+
     pytest.importorskip("triton")
     try:
         from triton.backends.compiler import GPUTarget  # noqa: F401
@@ -479,8 +508,9 @@ def test_offline_compile_mx_linear(cap):
     except Exception as e:  # pragma: no cover
         pytest.skip(f"triton offline compile API unavailable: {e}")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, str(cap)], env=env, capture_output=True, text=True,
-                       timeout=900)
+    r = subprocess.run(
+        [sys.executable, "-c", COMPILE_SCRIPT, str(cap)], env=env, capture_output=True, text=True, timeout=900
+    )
     res = [json.loads(x[7:]) for x in r.stdout.splitlines() if x.startswith("RESULT ")]
     if not res and "ptxas" in r.stderr.lower() and "not found" in r.stderr.lower():
         pytest.skip(f"no ptxas bundled with this triton: {r.stderr[-500:]}")

@@ -1,6 +1,7 @@
 """Fuzzing the wire protocol: the frame parser in-process (hypothesis), and a live ring of daemon processes
 with hostile frames from an authenticated peer and before the handshake (tools/fuzz_daemon.py is the long
 version of the live part). Generators and the oracle: tests/fuzzing.py."""
+
 from __future__ import annotations
 
 import asyncio
@@ -29,9 +30,11 @@ from p2pk3.transport.decoder import FrameDecoder
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = fuzzing.Target(hidden=64, vocab=512, layer=3, bank_rows=1, slots=("s0", "s1"))
 
+
 def FAST(n):
-    return settings(max_examples=n, derandomize=True, deadline=None, database=None,
-                    suppress_health_check=list(HealthCheck))
+    return settings(
+        max_examples=n, derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+    )
 
 
 def _tool():
@@ -51,7 +54,7 @@ def test_decoder_takes_any_bytes(data, authenticated, step):
     dec = FrameDecoder() if authenticated else FrameDecoder(max_header=HANDSHAKE_MAX_HEADER, max_payload=0)
     try:
         for i in range(0, len(data), step):
-            for f in dec.feed(data[i:i + step]):
+            for f in dec.feed(data[i : i + step]):
                 fuzzing.check_buffers(f)
     except ProtocolError:
         with pytest.raises(ProtocolError):
@@ -70,15 +73,60 @@ def test_generated_hostile_frames_are_rejected_or_parsed(seed, authenticated):
         fuzzing.judge(item.data, TARGET, authenticated=authenticated)
 
 
-_keys = st.sampled_from(["kind", "segments", "session", "epoch", "start_pos", "n_tokens", "sample", "logits",
-                         "layer", "mid_moe", "results", "pos", "token", "skip", "rows", "error", "code", "sessions",
-                         "origin", "request_id", "prompt", "params", "incremental", "temperature", "top_k",
-                         "top_p", "seed", "max_tokens", "stop_ids", "slot", "node", "host", "port", "op", "since",
-                         "replaces", "id", "t_ns", "x"])
-_scalars = (st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats(allow_nan=True)
-            | st.text(max_size=20) | st.binary(max_size=8))
-_values = st.recursive(_scalars, lambda c: st.lists(c, max_size=5) | st.dictionaries(_keys, c, max_size=6),
-                       max_leaves=12)
+_keys = st.sampled_from(
+    [
+        "kind",
+        "segments",
+        "session",
+        "epoch",
+        "start_pos",
+        "n_tokens",
+        "sample",
+        "logits",
+        "layer",
+        "mid_moe",
+        "results",
+        "pos",
+        "token",
+        "skip",
+        "rows",
+        "error",
+        "code",
+        "sessions",
+        "origin",
+        "request_id",
+        "prompt",
+        "params",
+        "incremental",
+        "temperature",
+        "top_k",
+        "top_p",
+        "seed",
+        "max_tokens",
+        "stop_ids",
+        "slot",
+        "node",
+        "host",
+        "port",
+        "op",
+        "since",
+        "replaces",
+        "id",
+        "t_ns",
+        "x",
+    ]
+)
+_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=20)
+    | st.binary(max_size=8)
+)
+_values = st.recursive(
+    _scalars, lambda c: st.lists(c, max_size=5) | st.dictionaries(_keys, c, max_size=6), max_leaves=12
+)
 
 
 @pytest.mark.slow
@@ -93,8 +141,11 @@ def test_structured_headers_reach_every_parser(kind, fields):  # noqa: D103
 
 @pytest.mark.slow
 @FAST(300)
-@given(st.dictionaries(st.sampled_from(["temperature", "top_k", "top_p", "seed", "max_tokens", "stop_ids", "x"]),
-                       _values, max_size=6))
+@given(
+    st.dictionaries(
+        st.sampled_from(["temperature", "top_k", "top_p", "seed", "max_tokens", "stop_ids", "x"]), _values, max_size=6
+    )
+)
 def test_sampling_params_from_wire(d):
     try:
         p = SamplingParams.from_wire(d)
@@ -121,12 +172,17 @@ def test_rejected_lengths_allocate_nothing(plen, how):
         hb = fuzzing.pack({"kind": "ping"})
     elif how == "bad-header":
         plen = plen % (DEFAULT_MAX_PAYLOAD + 1)
-        hb = fuzzing.pack({"kind": "forward", "tensors": [{"name": "p", "dtype": "f32", "shape": [plen],
-                                                           "offset": 0, "nbytes": plen}]})
+        hb = fuzzing.pack(
+            {
+                "kind": "forward",
+                "tensors": [{"name": "p", "dtype": "f32", "shape": [plen], "offset": 0, "nbytes": plen}],
+            }
+        )
     else:
         plen = max(65, plen % (DEFAULT_MAX_PAYLOAD + 1))
-        hb = fuzzing.pack({"kind": "forward", "tensors": [{"name": "p", "dtype": "uint8", "shape": [64],
-                                                           "offset": 0, "nbytes": 64}]})
+        hb = fuzzing.pack(
+            {"kind": "forward", "tensors": [{"name": "p", "dtype": "uint8", "shape": [64], "offset": 0, "nbytes": 64}]}
+        )
     allocs = []
     dec = FrameDecoder(alloc=lambda n: allocs.append(n) or bytearray(n))
     tracemalloc.start()
@@ -182,9 +238,18 @@ def test_pong_does_not_echo_hostile_ids():
 
 def test_no_pickle_in_the_package():
     """Nothing that can execute code on load: no pickle / marshal / eval anywhere in the package."""
-    r = subprocess.run(["grep", "-rnE", r"import pickle|cPickle|import marshal|\beval\(|\bexec\(|torch\.load|"
-                        r"allow_pickle=True|yaml\.load\(|shelve|dill", str(ROOT / "p2pk3"), "--include=*.py"],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            "grep",
+            "-rnE",
+            r"import pickle|cPickle|import marshal|\beval\(|\bexec\(|torch\.load|"
+            r"allow_pickle=True|yaml\.load\(|shelve|dill",
+            str(ROOT / "p2pk3"),
+            "--include=*.py",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.stdout == "", r.stdout
     assert "ext_hook=_reject_ext" in (ROOT / "p2pk3/transport/codec.py").read_text()
 
@@ -212,6 +277,7 @@ def test_planted_parser_bug_is_caught(monkeypatch):
 # ------------------------------------------------------------------------------------- live ring
 def _ring_run(ckpt, frames, tmp_path, env=None, seed=0, on_baseline=None):
     from p2pk3.node.local import LocalRing
+
     tool = _tool()
     ref = tool.reference_tokens(ckpt)
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -224,8 +290,11 @@ def _ring_run(ckpt, frames, tmp_path, env=None, seed=0, on_baseline=None):
         os.environ.clear()
         os.environ.update(old)
     try:
-        rep = asyncio.run(asyncio.wait_for(tool.fuzz_ring(ring, ref, frames, seed=seed, warmup=800, pause_s=2.0,
-                                                          on_baseline=on_baseline), 240))
+        rep = asyncio.run(
+            asyncio.wait_for(
+                tool.fuzz_ring(ring, ref, frames, seed=seed, warmup=800, pause_s=2.0, on_baseline=on_baseline), 240
+            )
+        )
         return tool, rep, ring, ref
     except BaseException:
         ring.stop()
@@ -260,7 +329,7 @@ def test_live_ring_survives_hostile_frames(ckpt, tmp_path):
     assert any("finite" in x for x in directed["hostile_contents"]["generate temperature nan"]["reply"])
 
 
-PLANT = '''
+PLANT = """
 import os
 from p2pk3.node import daemon as _d
 ARMED = os.path.join(os.path.dirname(__file__), "armed")
@@ -277,7 +346,7 @@ async def _planted(self, conn):
                 os._exit(7)  # a crash
     await _handle(self, conn)
 _d.NodeDaemon._handle = _planted
-'''
+"""
 
 
 @pytest.mark.slow
@@ -288,8 +357,9 @@ def test_live_harness_catches_a_planted_crash_and_leak(ckpt, tmp_path):
     plant.mkdir()
     (plant / "sitecustomize.py").write_text(PLANT)
     env = {"PYTHONPATH": os.pathsep.join([str(plant), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    tool, rep, ring, ref = _ring_run(ckpt, 600, tmp_path / "ring", env=env, seed=3,
-                                     on_baseline=lambda: (plant / "armed").touch())
+    tool, rep, ring, ref = _ring_run(
+        ckpt, 600, tmp_path / "ring", env=env, seed=3, on_baseline=lambda: (plant / "armed").touch()
+    )
     ring.stop()
     bad = " ".join(tool.verdict(rep, 48 << 10))
     assert "daemon crashes" in bad and "s1" in bad, bad
@@ -302,8 +372,11 @@ def test_regressions_found_by_fuzzing():
     with pytest.raises(ProtocolError, match="'tensors' must be a list"):
         FrameDecoder().feed(fuzzing.wrap(fuzzing.pack({"kind": "forward", "tensors": None})))
     # result logits in another dtype: ValueError in the entry's handler (and a stage relayed them there)
-    f = Frame.make("result", [("logits", ("uint32", (1, 4), bytes(16)))],
-                   results=[{"session": "g", "epoch": 0, "pos": 1, "token": 1, "rows": 1}])
+    f = Frame.make(
+        "result",
+        [("logits", ("uint32", (1, 4), bytes(16)))],
+        results=[{"session": "g", "epoch": 0, "pos": 1, "token": 1, "rows": 1}],
+    )
     with pytest.raises(ProtocolError, match="float32"):
         M.parse_result(f)
     # NaN / inf sampling parameters: refused at parse time ...
@@ -312,13 +385,17 @@ def test_regressions_found_by_fuzzing():
     with pytest.raises(ValueError, match="finite"):
         M.GenerateRequest.parse(g, 512)
     with pytest.raises(ProtocolError, match="finite"):
-        M.Segment.from_wire({"session": "a", "epoch": 0, "start_pos": 0, "n_tokens": 1,
-                             "sample": {"temperature": float("inf")}})
+        M.Segment.from_wire(
+            {"session": "a", "epoch": 0, "start_pos": 0, "n_tokens": 1, "sample": {"temperature": float("inf")}}
+        )
     # ... and a temperature that still overflows the softmax fails only its own session on the last stage
     import torch
     from p2pk3.node.stage_runner import StageRunner
-    segs = [M.Segment("bad", 0, 0, 1, SamplingParams(temperature=1e-300, seed=1)),
-            M.Segment("good", 0, 0, 1, SamplingParams(max_tokens=2))]
+
+    segs = [
+        M.Segment("bad", 0, 0, 1, SamplingParams(temperature=1e-300, seed=1)),
+        M.Segment("good", 0, 0, 1, SamplingParams(max_tokens=2)),
+    ]
     out = StageRunner._sample(None, segs, torch.randn(2, 16), False)
     assert out.results[0].error and "sampling failed" in out.results[0].error
     assert out.results[1].error is None

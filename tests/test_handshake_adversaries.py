@@ -12,6 +12,7 @@ with a clear error on the honest side, and the honest server keeps serving hones
 Discovery: forged, replayed and stale beacons are ignored; the highest-epoch claimant wins resolve_slot.
 Every wait has a timeout.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -116,8 +117,14 @@ def proof(secret: bytes, role: str, cn: bytes, sn: bytes, cid: str, sid: str, ve
 
 
 def hello(node_id: str, role: str, nonce: bytes | None = None, version=1, **extra) -> dict:
-    return dict(node_id=node_id, version=version, nonce=nonce if nonce is not None else os.urandom(32), role=role,
-                software="adversary", **extra)
+    return dict(
+        node_id=node_id,
+        version=version,
+        nonce=nonce if nonce is not None else os.urandom(32),
+        role=role,
+        software="adversary",
+        **extra,
+    )
 
 
 async def echo(conn):
@@ -150,6 +157,7 @@ async def assert_serves(port: int, name: str = "honest") -> None:
 def test_hand_written_client_following_the_document_is_accepted():
     """Our own client, written from docs/protocol.md, completes the handshake; the server's proof is the
     documented one (role "server"); afterwards frames flow."""
+
     async def main():
         h = Honest()
         async with await serve("127.0.0.1", 0, SECRET, "srv", h.handler) as srv:
@@ -200,6 +208,7 @@ async def stop(srv) -> None:
 def test_fake_server_reflecting_the_clients_proof_is_refused(caplog):
     """An impostor without the secret sends the client's own proof back: the client must refuse (the
     role in the HMAC makes a client proof useless as a server proof) and send nothing more."""
+
     async def script(w: Wire):
         ch = await w.recv()
         await w.send("hello", **hello("impostor", "server"))
@@ -235,9 +244,13 @@ def test_fake_server_with_a_bad_server_proof_is_refused(bad):
         ca = await w.recv()
         assert ca["kind"] == "auth"
         good = proof(SECRET, "server", ch["nonce"], sn, ch["node_id"], "fake")
-        p = {"wrong_secret": proof(OTHER, "server", ch["nonce"], sn, ch["node_id"], "fake"),
-             "truncated": good[:16], "empty": b"", "not_bytes": good.hex(),
-             "client_role": proof(SECRET, "client", ch["nonce"], sn, ch["node_id"], "fake")}[bad]
+        p = {
+            "wrong_secret": proof(OTHER, "server", ch["nonce"], sn, ch["node_id"], "fake"),
+            "truncated": good[:16],
+            "empty": b"",
+            "not_bytes": good.hex(),
+            "client_role": proof(SECRET, "client", ch["nonce"], sn, ch["node_id"], "fake"),
+        }[bad]
         await w.send("auth", proof=p)
         return await w.rest()
 
@@ -254,6 +267,7 @@ def test_fake_server_with_a_bad_server_proof_is_refused(bad):
 
 def test_fake_server_with_a_good_proof_is_accepted():
     """Control for the tests above: the same fake server with the right proof is accepted."""
+
     async def script(w: Wire):
         ch = await w.recv()
         sn = os.urandom(32)
@@ -282,18 +296,30 @@ def test_fake_server_with_a_good_proof_is_accepted():
     run(main())
 
 
-@pytest.mark.parametrize("variant", ["role_client", "role_missing", "version_2", "short_nonce", "nonce_str",
-                                     "node_id_int", "no_version"])
+@pytest.mark.parametrize(
+    "variant", ["role_client", "role_missing", "version_2", "short_nonce", "nonce_str", "node_id_int", "no_version"]
+)
 def test_fake_server_with_a_bad_hello_is_refused_before_the_client_proves(variant):
     """The client checks the server's hello before it sends its proof: a server that is not a server,
     speaks another version or sends a malformed hello learns no proof."""
-    h = {"role_client": hello("fake", "client"), "role_missing": {k: v for k, v in hello("fake", "x").items() if k != "role"},
-         "version_2": hello("fake", "server", version=2), "short_nonce": hello("fake", "server", os.urandom(31)),
-         "nonce_str": hello("fake", "server", "n" * 32), "node_id_int": hello(7, "server"),
-         "no_version": {k: v for k, v in hello("fake", "server").items() if k != "version"}}[variant]
-    match = {"role_client": "expected a 'server'", "role_missing": "expected a 'server'",
-             "version_2": "protocol version mismatch", "short_nonce": "malformed hello",
-             "nonce_str": "malformed hello", "node_id_int": "malformed hello", "no_version": "malformed hello"}[variant]
+    h = {
+        "role_client": hello("fake", "client"),
+        "role_missing": {k: v for k, v in hello("fake", "x").items() if k != "role"},
+        "version_2": hello("fake", "server", version=2),
+        "short_nonce": hello("fake", "server", os.urandom(31)),
+        "nonce_str": hello("fake", "server", "n" * 32),
+        "node_id_int": hello(7, "server"),
+        "no_version": {k: v for k, v in hello("fake", "server").items() if k != "version"},
+    }[variant]
+    match = {
+        "role_client": "expected a 'server'",
+        "role_missing": "expected a 'server'",
+        "version_2": "protocol version mismatch",
+        "short_nonce": "malformed hello",
+        "nonce_str": "malformed hello",
+        "node_id_int": "malformed hello",
+        "no_version": "malformed hello",
+    }[variant]
 
     async def script(w: Wire):
         await w.recv()
@@ -327,6 +353,7 @@ def test_replayed_handshake_transcript_is_refused(caplog):
     """Record every byte an honest client sends through a proxy (hello, auth, a frame), replay them to the
     server on a new connection: the server's nonce differs, so the recorded proof fails, the server answers
     auth_failed and the replayed frame never reaches the handler."""
+
     async def main():
         h = Honest()
         async with await serve("127.0.0.1", 0, SECRET, "srv", h.handler) as srv:
@@ -353,8 +380,9 @@ def test_replayed_handshake_transcript_is_refused(caplog):
 
             proxy = await asyncio.start_server(on_conn, "127.0.0.1", 0)
             try:
-                c = await asyncio.wait_for(open_connection("127.0.0.1", proxy.sockets[0].getsockname()[1], SECRET,
-                                                           "alice"), WAIT)
+                c = await asyncio.wait_for(
+                    open_connection("127.0.0.1", proxy.sockets[0].getsockname()[1], SECRET, "alice"), WAIT
+                )
                 await asyncio.wait_for(c.send(C.Frame.make("transfer", amount=100)), WAIT)
                 assert (await asyncio.wait_for(c.recv(), WAIT)).header["amount"] == 100
                 c.close()
@@ -376,12 +404,15 @@ def test_replayed_handshake_transcript_is_refused(caplog):
 
     with caplog.at_level(logging.INFO, logger=LOG):
         run(main())
-    assert any("authentication failed: wrong cluster secret from 127.0.0.1:" in r.getMessage() and "'alice'" in
-               r.getMessage() for r in caplog.records)
+    assert any(
+        "authentication failed: wrong cluster secret from 127.0.0.1:" in r.getMessage() and "'alice'" in r.getMessage()
+        for r in caplog.records
+    )
 
 
-@pytest.mark.parametrize("bad", ["wrong_secret", "truncated", "empty", "not_bytes", "server_role", "old_nonce",
-                                 "other_ids"])
+@pytest.mark.parametrize(
+    "bad", ["wrong_secret", "truncated", "empty", "not_bytes", "server_role", "old_nonce", "other_ids"]
+)
 def test_client_with_a_bad_proof_is_refused_and_the_server_keeps_serving(bad):
     async def main():
         h = Honest()
@@ -391,10 +422,15 @@ def test_client_with_a_bad_proof_is_refused_and_the_server_keeps_serving(bad):
             await w.send("hello", **hello("mallory", "client", cn))
             sn = (await w.recv())["nonce"]
             good = proof(SECRET, "client", cn, sn, "mallory", "srv")
-            p = {"wrong_secret": proof(OTHER, "client", cn, sn, "mallory", "srv"), "truncated": good[:16],
-                 "empty": b"", "not_bytes": good.hex(), "server_role": proof(SECRET, "server", cn, sn, "mallory", "srv"),
-                 "old_nonce": proof(SECRET, "client", cn, os.urandom(32), "mallory", "srv"),
-                 "other_ids": proof(SECRET, "client", cn, sn, "alice", "srv")}[bad]
+            p = {
+                "wrong_secret": proof(OTHER, "client", cn, sn, "mallory", "srv"),
+                "truncated": good[:16],
+                "empty": b"",
+                "not_bytes": good.hex(),
+                "server_role": proof(SECRET, "server", cn, sn, "mallory", "srv"),
+                "old_nonce": proof(SECRET, "client", cn, os.urandom(32), "mallory", "srv"),
+                "other_ids": proof(SECRET, "client", cn, sn, "alice", "srv"),
+            }[bad]
             await w.send("auth", proof=p)
             await w.send("transfer", amount=1)  # must never be delivered
             got = await w.rest()
@@ -408,17 +444,34 @@ def test_client_with_a_bad_proof_is_refused_and_the_server_keeps_serving(bad):
     run(main())
 
 
-@pytest.mark.parametrize("variant", ["role_server", "role_missing", "short_nonce", "long_nonce", "nonce_str",
-                                     "node_id_int", "node_id_empty", "no_version", "version_str"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "role_server",
+        "role_missing",
+        "short_nonce",
+        "long_nonce",
+        "nonce_str",
+        "node_id_int",
+        "node_id_empty",
+        "no_version",
+        "version_str",
+    ],
+)
 def test_client_with_a_bad_hello_is_dropped_and_the_server_keeps_serving(variant, caplog):
     """Even with a valid proof for its claims, a peer whose hello is wrong gets nothing but our hello."""
     cn = os.urandom(32)
-    h = {"role_server": hello("m", "server", cn), "role_missing": {k: v for k, v in hello("m", "x", cn).items() if k != "role"},
-         "short_nonce": hello("m", "client", cn[:31]), "long_nonce": hello("m", "client", cn + b"x"),
-         "nonce_str": hello("m", "client", "n" * 32), "node_id_int": hello(5, "client", cn),
-         "node_id_empty": hello("", "client", cn), "no_version": {k: v for k, v in hello("m", "client", cn).items()
-                                                                 if k != "version"},
-         "version_str": hello("m", "client", cn, version="1")}[variant]
+    h = {
+        "role_server": hello("m", "server", cn),
+        "role_missing": {k: v for k, v in hello("m", "x", cn).items() if k != "role"},
+        "short_nonce": hello("m", "client", cn[:31]),
+        "long_nonce": hello("m", "client", cn + b"x"),
+        "nonce_str": hello("m", "client", "n" * 32),
+        "node_id_int": hello(5, "client", cn),
+        "node_id_empty": hello("", "client", cn),
+        "no_version": {k: v for k, v in hello("m", "client", cn).items() if k != "version"},
+        "version_str": hello("m", "client", cn, version="1"),
+    }[variant]
     log_match = "expected a 'client'" if variant.startswith("role") else "malformed hello"
 
     async def main():
@@ -492,8 +545,19 @@ def beacon(body: dict, secret: bytes = SECRET) -> bytes:
 
 
 def body(node: str, seq: int, slot: str | None, epoch: int, ts: float | None = None, inst: str = "i0", **kw) -> dict:
-    b = {"cluster": CLUSTER, "node": node, "inst": inst, "seq": seq, "ts": time.time() if ts is None else ts,
-         "host": "127.0.0.1", "port": 7000 + seq, "slot": slot, "epoch": epoch, "since": None, "standby": False}
+    b = {
+        "cluster": CLUSTER,
+        "node": node,
+        "inst": inst,
+        "seq": seq,
+        "ts": time.time() if ts is None else ts,
+        "host": "127.0.0.1",
+        "port": 7000 + seq,
+        "slot": slot,
+        "epoch": epoch,
+        "since": None,
+        "standby": False,
+    }
     b.update(kw)
     return b
 
@@ -526,8 +590,17 @@ def test_discovery_ignores_forged_replayed_and_stale_beacons_and_highest_epoch_w
     port = free_udp_port()
 
     async def main():
-        d = Discovery(CLUSTER, SECRET, "me", port=5000, beacon_port=port, beacon_addrs=[], bind="127.0.0.1",
-                      interval=10.0, expiry=60.0)
+        d = Discovery(
+            CLUSTER,
+            SECRET,
+            "me",
+            port=5000,
+            beacon_port=port,
+            beacon_addrs=[],
+            bind="127.0.0.1",
+            interval=10.0,
+            expiry=60.0,
+        )
         await d.start()
         inj = Injector(d, port)
         try:

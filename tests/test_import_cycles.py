@@ -7,6 +7,7 @@ huggingface_hub, a front end) or to reach a higher layer at call time. `from p2p
 is an edge to `p2pk3.pkg.name` when that is a module, else to the package `p2pk3.pkg` (its
 __init__); packages themselves are modules of the graph.
 """
+
 from __future__ import annotations
 
 import ast
@@ -59,7 +60,7 @@ def import_graph() -> dict[str, set[str]]:
                 if node.level:
                     base = package.split(".")
                     if node.level > 1:
-                        base = base[:-(node.level - 1)]
+                        base = base[: -(node.level - 1)]
                     target = ".".join(base + ([node.module] if node.module else []))
                 else:
                     target = node.module or ""
@@ -131,5 +132,7 @@ def test_cycle_finder_finds_a_cycle():
 
 def test_no_import_cycles():
     found = cycles(import_graph())
-    assert not found, "import cycles between p2pk3 modules (move the shared code down a layer, or import " \
-                      "lazily inside the function that needs it):\n" + "\n".join(" <-> ".join(c) for c in found)
+    assert not found, (
+        "import cycles between p2pk3 modules (move the shared code down a layer, or import "
+        "lazily inside the function that needs it):\n" + "\n".join(" <-> ".join(c) for c in found)
+    )

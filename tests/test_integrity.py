@@ -1,5 +1,6 @@
 """Integrity at load: each shard a node reads is checked against the manifest (size always, SHA-256 on
 first use or after a change, cached by size+mtime); `p2pk3 node` on a bad shard exits 1 naming the file."""
+
 from __future__ import annotations
 
 import hashlib
@@ -66,9 +67,16 @@ def test_corrupt_truncated_missing_and_unknown_are_named(tmp_path):
 
 def test_check_slot_checks_exactly_the_slots_shards(tmp_path):
     d = make_dir(tmp_path / "m")
-    topo = Topology.from_dict({"cluster": {"name": "t"}, "model": {"path": str(d)},
-                               "slots": [{"id": "a", "gpu_memory_gb": 2, "layers": [0, 1]},
-                                         {"id": "b", "gpu_memory_gb": 2, "layers": [2, 5]}]})
+    topo = Topology.from_dict(
+        {
+            "cluster": {"name": "t"},
+            "model": {"path": str(d)},
+            "slots": [
+                {"id": "a", "gpu_memory_gb": 2, "layers": [0, 1]},
+                {"id": "b", "gpu_memory_gb": 2, "layers": [2, 5]},
+            ],
+        }
+    )
     last = "model-00003-of-00003.safetensors"
     (d / last).write_bytes(b"broken")  # only slot b reads it
     rep = check_slot(d, TINY_K3, topo.slot_plan("a", TINY_K3))
@@ -93,11 +101,29 @@ def test_node_on_a_bad_shard_exits_1_naming_the_file(tmp_path, fault):
     port, bport = free_ports(2)
     (tmp_path / "secret").write_text("k" * 32)
     t = tmp_path / "t.toml"
-    t.write_text(f'[cluster]\nname = "t"\nsecret_file = "secret"\nbeacon_port = {bport}\n'
-                 f'beacon_addrs = ["127.255.255.255"]\n[model]\npath = "{d}"\n'
-                 f'[[slots]]\nid = "s0"\nhost = "127.0.0.1"\nport = {port}\ngpu_memory_gb = 2\nlayers = [0, 5]\n')
-    r = subprocess.run([sys.executable, "-m", "p2pk3.cli", "node", "--topology", str(t), "--slot", "s0",
-                        "--no-discovery", "--device", "cpu"], capture_output=True, text=True, timeout=120)
+    t.write_text(
+        f'[cluster]\nname = "t"\nsecret_file = "secret"\nbeacon_port = {bport}\n'
+        f'beacon_addrs = ["127.255.255.255"]\n[model]\npath = "{d}"\n'
+        f'[[slots]]\nid = "s0"\nhost = "127.0.0.1"\nport = {port}\ngpu_memory_gb = 2\nlayers = [0, 5]\n'
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "p2pk3.cli",
+            "node",
+            "--topology",
+            str(t),
+            "--slot",
+            "s0",
+            "--no-discovery",
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 1, r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith(f"Error: {p}: {fault}") and "Traceback" not in r.stderr

@@ -1,5 +1,6 @@
 """The KDA prefill reference folds equal-length sequences into one call and takes any chunk size; both must
 give the delta-rule recurrence written plainly here, token by token, per sequence (an independent oracle)."""
+
 from __future__ import annotations
 
 import torch
@@ -40,15 +41,16 @@ def test_folded_prefill_matches_the_recurrence_per_sequence():
     want_state = state0.clone()
     for i, r in enumerate(rows.tolist()):
         s, e = int(cu[i]), int(cu[i + 1])
-        want[s:e], want_state[r] = recurrence(q[s:e], k[s:e], v[s:e], a[s:e], b[s:e], A_log, dt_bias,
-                                              state0[r].clone(), K ** -0.5, -5.0)
+        want[s:e], want_state[r] = recurrence(
+            q[s:e], k[s:e], v[s:e], a[s:e], b[s:e], A_log, dt_bias, state0[r].clone(), K**-0.5, -5.0
+        )
     for chunk in (4, 5, 16, 64):
         for fold in (1 << 20, 1):  # folded groups, and FOLD_ELEMS so small that every sequence runs alone
             old = kda_ref.FOLD_ELEMS
             kda_ref.FOLD_ELEMS = fold
             try:
                 st = state0.clone()
-                o = kda_ref.kda_prefill(q, k, v, a, b, A_log, dt_bias, st, cu, rows, K ** -0.5, -5.0, chunk_size=chunk)
+                o = kda_ref.kda_prefill(q, k, v, a, b, A_log, dt_bias, st, cu, rows, K**-0.5, -5.0, chunk_size=chunk)
             finally:
                 kda_ref.FOLD_ELEMS = old
             assert (o - want).abs().max() < 1e-4, (chunk, fold, float((o - want).abs().max()))
@@ -72,7 +74,9 @@ def test_folding_is_bit_identical_to_one_sequence_at_a_time():
         kda_ref.FOLD_ELEMS = fold
         try:
             st = torch.zeros(4, H, K, V)
-            outs.append((kda_ref.kda_prefill(q, k, v, a, b, A_log, dt_bias, st, cu, rows, K ** -0.5, -5.0, chunk_size=16), st))
+            outs.append(
+                (kda_ref.kda_prefill(q, k, v, a, b, A_log, dt_bias, st, cu, rows, K**-0.5, -5.0, chunk_size=16), st)
+            )
         finally:
             kda_ref.FOLD_ELEMS = old
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

@@ -15,6 +15,7 @@ brackets were typical when written):
 Outputs (and the MoE / MLA intermediates) are pre-filled with NaN to prove that every element is written.
 The offline-compile tests build every kernel for sm_90 and sm_120 in a subprocess without TRITON_INTERPRET.
 """
+
 from __future__ import annotations
 
 import os
@@ -46,8 +47,9 @@ from conftest import rel  # noqa: E402
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERP or not torch.cuda.is_available() else "cuda"
-pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not INTERP,
-                                reason="no CUDA device and TRITON_INTERPRET was not set before triton was imported")
+pytestmark = pytest.mark.skipif(
+    DEVICE == "cpu" and not INTERP, reason="no CUDA device and TRITON_INTERPRET was not set before triton was imported"
+)
 
 
 def nan_like(shape, dtype):
@@ -68,8 +70,11 @@ def moe_case(N, W, I, E, k, zdtype, p_skip=0.2):
     w1, s1 = rand_mx(E, I, W)
     w3, s3 = rand_mx(E, I, W)
     w2, s2 = rand_mx(E, W, I)
-    ids = torch.stack([torch.randperm(E, device=DEVICE)[:k] for _ in range(N)]) if N else \
-        torch.zeros(0, k, dtype=torch.long, device=DEVICE)
+    ids = (
+        torch.stack([torch.randperm(E, device=DEVICE)[:k] for _ in range(N)])
+        if N
+        else torch.zeros(0, k, dtype=torch.long, device=DEVICE)
+    )
     ids = torch.where(torch.rand(ids.shape, device=DEVICE) < p_skip, torch.full_like(ids, -1), ids)
     tw = torch.rand(N, k, device=DEVICE)
     return z, w1, s1, w3, s3, w2, s2, ids, tw
@@ -88,10 +93,17 @@ def run_moe(args, activation, mode):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,activation,zdtype", [
-    ("dot_scaled", "situ", torch.float32), ("dot_scaled", "silu", torch.bfloat16),
-    ("dequant", "situ", torch.bfloat16), ("dequant", "silu", torch.float32), ("dequant_f16", "situ", torch.float32),
-    ("dequant_f32", "situ", torch.float32)])
+@pytest.mark.parametrize(
+    "mode,activation,zdtype",
+    [
+        ("dot_scaled", "situ", torch.float32),
+        ("dot_scaled", "silu", torch.bfloat16),
+        ("dequant", "situ", torch.bfloat16),
+        ("dequant", "silu", torch.float32),
+        ("dequant_f16", "situ", torch.float32),
+        ("dequant_f32", "situ", torch.float32),
+    ],
+)
 def test_mxfp4_moe(mode, activation, zdtype, seed):
     N = random.choice([1, 3, 7])
     args = moe_case(N, 96, 64, 6, 3, zdtype)  # W = 96: not a power of two (masked K / N tails)
@@ -179,8 +191,9 @@ def test_mxfp8_quant_helper_exact(seed):
         os_ = tl.arange(0, BK // 32)
         tl.store(s_ptr + om[:, None] * (BK // 32) + os_[None, :], s)
 
-    x = (torch.randn(16, 128, device=DEVICE) * torch.exp2(torch.randint(-20, 20, (16, 4, 1), device=DEVICE).float())
-         .repeat_interleave(32, 1).reshape(16, 128))
+    x = torch.randn(16, 128, device=DEVICE) * torch.exp2(
+        torch.randint(-20, 20, (16, 4, 1), device=DEVICE).float()
+    ).repeat_interleave(32, 1).reshape(16, 128)
     x[0, :32] = 0.0  # an all-zero block
     q = torch.empty(16, 128, device=DEVICE)
     s = torch.empty(16, 4, dtype=torch.uint8, device=DEVICE)
@@ -200,7 +213,7 @@ def test_route_blocks(seed):
         if e < 0:
             assert int(br[b]) == 0
             continue
-        rows = pairs[int(bs[b]):int(bs[b]) + int(br[b])].long()
+        rows = pairs[int(bs[b]) : int(bs[b]) + int(br[b])].long()
         assert 1 <= rows.numel() <= BM and bool((flat[rows] == e).all()), f"seed={seed}"
         seen += rows.tolist()
     assert sorted(seen) == sorted((flat >= 0).nonzero().flatten().tolist()), f"seed={seed}"
@@ -213,15 +226,21 @@ def kda_inputs(T, H, K, V, dtype):
     q, k, a = (torch.randn(T, H, K, device=DEVICE).to(dtype) for _ in range(3))
     v = torch.randn(T, H, V, device=DEVICE).to(dtype)
     b = torch.randn(T, H, device=DEVICE).to(dtype)
-    A_log = (torch.randn(H, device=DEVICE) * 0.5)
+    A_log = torch.randn(H, device=DEVICE) * 0.5
     dt_bias = torch.randn(H * K, device=DEVICE)
     return q, k, v, a, b, A_log, dt_bias
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lower_bound,dtype,K,V", [
-    (-5.0, torch.float32, 24, 80), (None, torch.bfloat16, 24, 80),
-    (-5.0, torch.bfloat16, 128, 128), (None, torch.float32, 128, 128)])
+@pytest.mark.parametrize(
+    "lower_bound,dtype,K,V",
+    [
+        (-5.0, torch.float32, 24, 80),
+        (None, torch.bfloat16, 24, 80),
+        (-5.0, torch.bfloat16, 128, 128),
+        (None, torch.float32, 128, 128),
+    ],
+)
 def test_kda_decode(lower_bound, dtype, K, V, seed):
     B, H, S = 3, 2, 6
     q, k, v, a, b, A_log, dt_bias = kda_inputs(B, H, K, V, dtype)
@@ -229,8 +248,8 @@ def test_kda_decode(lower_bound, dtype, K, V, seed):
     rows = torch.randperm(S, device=DEVICE)[:B].int()
     st_t, st_r = state.clone(), state.clone()
     out = nan_like((B, H, V), torch.float32)
-    kda._kda_decode(q, k, v, a, b, A_log, dt_bias, st_t, rows, K ** -0.5, lower_bound, out=out)
-    ref = kda_ref.kda_decode(q, k, v, a, b, A_log, dt_bias, st_r, rows, K ** -0.5, lower_bound)
+    kda._kda_decode(q, k, v, a, b, A_log, dt_bias, st_t, rows, K**-0.5, lower_bound, out=out)
+    ref = kda_ref.kda_decode(q, k, v, a, b, A_log, dt_bias, st_r, rows, K**-0.5, lower_bound)
     assert not out.isnan().any(), f"seed={seed}"
     assert rel(out, ref) <= 1e-4, f"o rel err {rel(out, ref):.3g} (seed={seed})"
     assert rel(st_t, st_r) <= 1e-4, f"state rel err {rel(st_t, st_r):.3g} (seed={seed})"
@@ -252,8 +271,8 @@ def test_kda_prefill(lower_bound, dtype, seed):
     rows = torch.randperm(S, device=DEVICE)[:3].int()
     st_t, st_r = state.clone(), state.clone()
     out = nan_like((N, H, V), torch.float32)
-    kda._kda_prefill(q, k, v, a, b, A_log, dt_bias, st_t, cu, rows, K ** -0.5, lower_bound, out=out)
-    ref = kda_ref.kda_prefill(q, k, v, a, b, A_log, dt_bias, st_r, cu, rows, K ** -0.5, lower_bound, chunk_size=4)
+    kda._kda_prefill(q, k, v, a, b, A_log, dt_bias, st_t, cu, rows, K**-0.5, lower_bound, out=out)
+    ref = kda_ref.kda_prefill(q, k, v, a, b, A_log, dt_bias, st_r, cu, rows, K**-0.5, lower_bound, chunk_size=4)
     assert not out.isnan().any(), f"seed={seed}"
     assert rel(out, ref) <= 1e-4, f"o rel err {rel(out, ref):.3g} (seed={seed}, lens={lens})"
     assert rel(st_t, st_r) <= 1e-4, f"state rel err {rel(st_t, st_r):.3g} (seed={seed}, lens={lens})"
@@ -264,6 +283,7 @@ def test_kda_decode_matches_fla(seed):
     """Cross-check against fla's fused_recurrent_kda (pool + row indices, gate / sigmoid / l2norm in kernel)."""
     try:
         import warnings
+
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
@@ -275,11 +295,20 @@ def test_kda_decode_matches_fla(seed):
     rows = torch.randperm(S, device=DEVICE)[:B]
     for lb in (-5.0, None):
         s1, s2 = state.clone(), state.clone()
-        o1 = kda.kda_decode(q, k, v, a, b, A_log, dt_bias, s1, rows.int(), K ** -0.5, lb)
+        o1 = kda.kda_decode(q, k, v, a, b, A_log, dt_bias, s1, rows.int(), K**-0.5, lb)
         o2, _ = fused_recurrent_kda_fwd(
-            *(x[:, None].contiguous() for x in (q, k, v, a, b)), A_log=A_log, dt_bias=dt_bias, initial_state=s2,
-            scale=K ** -0.5, inplace_final_state=True, ssm_state_indices=rows.long(), use_qk_l2norm_in_kernel=True,
-            use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=lb)
+            *(x[:, None].contiguous() for x in (q, k, v, a, b)),
+            A_log=A_log,
+            dt_bias=dt_bias,
+            initial_state=s2,
+            scale=K**-0.5,
+            inplace_final_state=True,
+            ssm_state_indices=rows.long(),
+            use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True,
+            lower_bound=lb,
+        )
         assert rel(o1, o2[:, 0]) <= 1e-4 and rel(s1, s2) <= 1e-4, f"lb={lb} seed={seed}"
 
 
@@ -287,8 +316,9 @@ def test_kda_decode_matches_fla(seed):
 # MLA decode
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype,num_splits", [
-    (torch.float32, None), (torch.bfloat16, None), (torch.float32, 3), (torch.bfloat16, 1)])
+@pytest.mark.parametrize(
+    "dtype,num_splits", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, 3), (torch.bfloat16, 1)]
+)
 def test_mla_decode(dtype, num_splits, seed):
     B, H, R, P, bs, NB = 3, 20, 48, 8, 16, 24  # H = 20: a full and a partial head group; R, P not powers of 2
     q_lat = torch.randn(B, H, R, device=DEVICE).to(dtype)
@@ -299,10 +329,10 @@ def test_mla_decode(dtype, num_splits, seed):
     out = nan_like((B, H, R), torch.float32)
     mla_decode._POISON = True
     try:
-        mla_decode._mla_decode(q_lat, q_pe, kv, bt, seq_lens, R ** -0.5, out=out, num_splits=num_splits)
+        mla_decode._mla_decode(q_lat, q_pe, kv, bt, seq_lens, R**-0.5, out=out, num_splits=num_splits)
     finally:
         mla_decode._POISON = False
-    ref = mla_decode_ref.mla_decode(q_lat, q_pe, kv, bt, seq_lens, R ** -0.5)
+    ref = mla_decode_ref.mla_decode(q_lat, q_pe, kv, bt, seq_lens, R**-0.5)
     tol = 1e-2 if dtype == torch.bfloat16 else (1e-5 if INTERP else 5e-3)
     assert not out.isnan().any(), f"seed={seed}"
     assert rel(out, ref) <= tol, f"rel err {rel(out, ref):.3g} (seed={seed}, seq_lens={seq_lens.tolist()})"
@@ -368,7 +398,7 @@ def test_ops_dispatch_to_triton(monkeypatch, seed):
 # ----------------------------------------------------------------------------------------------------------------
 # offline compile for sm_90 (H200) and sm_120 (RTX 5090), no GPU needed: run without TRITON_INTERPRET
 # ----------------------------------------------------------------------------------------------------------------
-COMPILE_SCRIPT = textwrap.dedent(r'''
+COMPILE_SCRIPT = textwrap.dedent(r"""
     import json, re, sys, time, warnings
     warnings.filterwarnings("ignore")
     import triton
@@ -420,7 +450,7 @@ COMPILE_SCRIPT = textwrap.dedent(r'''
             res = dict(ok=False, err=f"{type(e).__name__}: {e}"[:2000])
         res.update(name=name, cap=cap, seconds=round(time.time() - t, 2))
         print("RESULT " + json.dumps(res), flush=True)
-''')
+""")
 
 
 _COMPILE_PROCS: dict = {}
@@ -430,6 +460,7 @@ def _compile_api_error():
     try:
         from triton.backends.compiler import GPUTarget  # noqa: F401
         from triton.compiler import ASTSource  # noqa: F401
+
         return None
     except Exception as e:  # pragma: no cover
         return e
@@ -441,8 +472,13 @@ def _start_compiles():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     for cap in (90, 120):
-        _COMPILE_PROCS[cap] = subprocess.Popen([sys.executable, "-c", COMPILE_SCRIPT, str(cap)], env=env,
-                                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        _COMPILE_PROCS[cap] = subprocess.Popen(
+            [sys.executable, "-c", COMPILE_SCRIPT, str(cap)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -479,8 +515,9 @@ def compiled():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cap", [90, 120])
-@pytest.mark.parametrize("name", ["moe_gate_up_dot_scaled", "moe_combine", "kda_decode", "kda_prefill", "mla_split",
-                                  "mla_reduce", "attnres"])
+@pytest.mark.parametrize(
+    "name", ["moe_gate_up_dot_scaled", "moe_combine", "kda_decode", "kda_prefill", "mla_split", "mla_reduce", "attnres"]
+)
 def test_offline_compile(compiled, name, cap):
     r = compiled[(name, cap)]
     assert r["ok"], f"{name} failed to compile for sm_{cap}: {r.get('err')}"

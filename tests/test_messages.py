@@ -1,4 +1,5 @@
 """Frame kinds (transport/messages/): builders and parsers, and the one sampling schema."""
+
 import json
 from pathlib import Path
 
@@ -21,14 +22,23 @@ def test_forward_frame_helpers():
     prefix = np.arange(N * D, dtype=np.uint16).reshape(N, D)
     bank = np.ones((R, N, D), np.uint16)
     lat = np.zeros((N, W), np.uint16)
-    segs = [M.Segment("a", 1, 10, 2), M.Segment("b", 0, 0, 3, SamplingParams(temperature=0.7, top_p=0.9, seed=5)),
-            M.Segment("c", 2, 0, 0 + 1, None, want_logits=True)]
+    segs = [
+        M.Segment("a", 1, 10, 2),
+        M.Segment("b", 0, 0, 3, SamplingParams(temperature=0.7, top_p=0.9, seed=5)),
+        M.Segment("c", 2, 0, 0 + 1, None, want_logits=True),
+    ]
     N = 6
     prefix = np.arange(N * D, dtype=np.uint16).reshape(N, D)
     bank = np.ones((R, N, D), np.uint16)
     lat = np.zeros((N, W), np.uint16)
-    fr = M.forward_frame(segs, ("bfloat16", prefix.shape, prefix), ("bfloat16", bank.shape, bank),
-                         ("bfloat16", lat.shape, lat), layer=7, mid_moe=True)
+    fr = M.forward_frame(
+        segs,
+        ("bfloat16", prefix.shape, prefix),
+        ("bfloat16", bank.shape, bank),
+        ("bfloat16", lat.shape, lat),
+        layer=7,
+        mid_moe=True,
+    )
     v = M.parse_forward(_roundtrip(fr))
     assert v.segments == segs and v.layer == 7 and v.mid_moe and (v.n_tokens, v.hidden, v.bank_rows) == (N, D, R)
     assert bytes(v.frame.buffer("prefix")) == prefix.tobytes() and v.frame.has("partial_latent")
@@ -40,20 +50,24 @@ def test_forward_frame_helpers():
     bad = Frame.make("forward", {"prefix": prefix[:4]}, segments=[s.to_wire() for s in segs], layer=1, mid_moe=False)
     with pytest.raises(ProtocolError, match="does not match the 6 tokens"):
         M.parse_forward(_roundtrip(bad))
-    bad = Frame.make("forward", {"prefix": prefix}, segments=[{"session": "a", "epoch": 0, "start_pos": 0,
-                                                               "n_tokens": 0}], layer=1)
+    bad = Frame.make(
+        "forward", {"prefix": prefix}, segments=[{"session": "a", "epoch": 0, "start_pos": 0, "n_tokens": 0}], layer=1
+    )
     with pytest.raises(ProtocolError, match="n_tokens must be a positive integer"):
         M.parse_forward(bad)
 
 
-@pytest.mark.parametrize("sample,msg", [
-    ({"temperature": "hot"}, "'temperature' has the wrong type"),
-    ({"top_k": True}, "'top_k' has the wrong type"),
-    ({"min_p": 0.1}, r"unknown sampling parameter\(s\) \['min_p'\]"),
-    ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
-    ({"stop_ids": [-1]}, "stop_ids must be"),
-    ({"seed": -3}, "seed must be in"),
-])
+@pytest.mark.parametrize(
+    "sample,msg",
+    [
+        ({"temperature": "hot"}, "'temperature' has the wrong type"),
+        ({"top_k": True}, "'top_k' has the wrong type"),
+        ({"min_p": 0.1}, r"unknown sampling parameter\(s\) \['min_p'\]"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"stop_ids": [-1]}, "stop_ids must be"),
+        ({"seed": -3}, "seed must be in"),
+    ],
+)
 def test_segment_sample_is_sampling_params(sample, msg):
     seg = {"session": "a", "epoch": 0, "start_pos": 0, "n_tokens": 1, "sample": sample}
     with pytest.raises(ProtocolError, match=msg):
@@ -67,8 +81,12 @@ def test_sampling_params_round_trip():
 
 
 def test_result_free_error_ping():
-    rs = [M.Result("a", 0, 3, 42), M.Result("b", 1, 4, skip=True), M.Result("c", 0, 5, 7, rows=2),
-          M.Result("d", 0, 1, error="boom", code=M.ErrorCode.BUSY)]
+    rs = [
+        M.Result("a", 0, 3, 42),
+        M.Result("b", 1, 4, skip=True),
+        M.Result("c", 0, 5, 7, rows=2),
+        M.Result("d", 0, 1, error="boom", code=M.ErrorCode.BUSY),
+    ]
     logits = np.zeros((2, 10), np.float32)
     got = M.parse_result(_roundtrip(M.result_frame(rs, logits)))
     assert got == rs
@@ -111,8 +129,9 @@ NEW = {
     "claim takeover": lambda: M.claim_frame("s2", "spare", 7, replaces=("gpu5", 6)),
     "claim release": lambda: M.claim_frame("s0", "gpu1", 2, "release", 1764600000.0),
     "claim_result granted": lambda: M.claim_result_frame(M.ClaimResult("s1", True, "granted", "granted", None, 4)),
-    "claim_result held": lambda: M.claim_result_frame(M.ClaimResult(
-        "s1", False, "held", "slot s1 is held by node gpu2 (epoch 3) since x", HOLDER, 3)),
+    "claim_result held": lambda: M.claim_result_frame(
+        M.ClaimResult("s1", False, "held", "slot s1 is held by node gpu2 (epoch 3) since x", HOLDER, 3)
+    ),
     "takeover": lambda: M.takeover_frame("s2", ("gpu5", 6)),
     "takeover no holder": lambda: M.takeover_frame("s0", None),
     "retain": lambda: M.retain_frame([("a", 0), ("b", 2)]),
@@ -120,8 +139,9 @@ NEW = {
     "route": lambda: M.route_frame(M.Route("s2", "spare", "10.0.0.9", 47811, 7)),
     "route (daemon)": lambda: M.route_frame(M.Route("s0", "sb@h", "127.0.0.1", 5000, 3)),
     "file_list": lambda: M.file_list_frame("00aa11bb22cc"),
-    "file_index": lambda: M.file_index_frame(M.FileIndex("a1b2c3d4e5f6", {"config.json": M.FileInfo(12, "ab" * 32)},
-                                                         "c0ffee", "org/model")),
+    "file_index": lambda: M.file_index_frame(
+        M.FileIndex("a1b2c3d4e5f6", {"config.json": M.FileInfo(12, "ab" * 32)}, "c0ffee", "org/model")
+    ),
     "file_index empty": lambda: M.file_index_frame(M.FileIndex(None, {})),
     "file_get": lambda: M.file_get_frame(M.FileGet("00aa11bb22cd", "model-00001.safetensors", 8 << 20, 1234, 50.0)),
     "file_get no cap": lambda: M.file_get_frame(M.FileGet("00aa11bb22ce", "x.safetensors", 0, 8 << 20)),
@@ -133,8 +153,10 @@ PARSED = {
     "claim takeover": (M.parse_claim, M.ClaimMessage("s2", "spare", 7, replaces=("gpu5", 6))),
     "claim release": (M.parse_claim, M.ClaimMessage("s0", "gpu1", 2, "release", 1764600000.0)),
     "claim_result granted": (M.parse_claim_result, M.ClaimResult("s1", True, "granted", "granted", None, 4)),
-    "claim_result held": (M.parse_claim_result, M.ClaimResult(
-        "s1", False, "held", "slot s1 is held by node gpu2 (epoch 3) since x", HOLDER, 3)),
+    "claim_result held": (
+        M.parse_claim_result,
+        M.ClaimResult("s1", False, "held", "slot s1 is held by node gpu2 (epoch 3) since x", HOLDER, 3),
+    ),
     "takeover": (M.parse_takeover, ("s2", ("gpu5", 6))),
     "takeover no holder": (M.parse_takeover, ("s0", None)),
     "retain": (M.parse_retain, {"a": 0, "b": 2}),
@@ -142,8 +164,10 @@ PARSED = {
     "route": (M.parse_route, M.Route("s2", "spare", "10.0.0.9", 47811, 7)),
     "route (daemon)": (M.parse_route, M.Route("s0", "sb@h", "127.0.0.1", 5000, 3)),
     "file_list": (M.parse_file_list, "00aa11bb22cc"),
-    "file_index": (M.parse_file_index, M.FileIndex("a1b2c3d4e5f6", {"config.json": M.FileInfo(12, "ab" * 32)},
-                                                   "c0ffee", "org/model")),
+    "file_index": (
+        M.parse_file_index,
+        M.FileIndex("a1b2c3d4e5f6", {"config.json": M.FileInfo(12, "ab" * 32)}, "c0ffee", "org/model"),
+    ),
     "file_index empty": (M.parse_file_index, M.FileIndex(None, {})),
     "file_get": (M.parse_file_get, M.FileGet("00aa11bb22cd", "model-00001.safetensors", 8 << 20, 1234, 50.0)),
     "file_get no cap": (M.parse_file_get, M.FileGet("00aa11bb22ce", "x.safetensors", 0, 8 << 20)),
@@ -172,38 +196,95 @@ def test_file_chunk_parses_the_old_bytes():
     assert (c.request_id, c.path, c.offset, c.size, bytes(c.data)) == ("r1", "x.safetensors", 0, 5, b"hello")
 
 
-@pytest.mark.parametrize("kind,fields,parse,msg", [
-    ("claim", {"slot": "s1", "node": "n", "epoch": True}, M.parse_claim,
-     "claim frame: epoch must be a non-negative integer, got True"),
-    ("claim", {"slot": "s1", "node": "n", "epoch": 1, "op": "steal"}, M.parse_claim, "claim frame: op must be one of"),
-    ("claim", {"slot": "s1", "node": "n", "epoch": 1, "since": "x"}, M.parse_claim,
-     "claim frame: since must be a unix time or nil"),
-    ("claim", {"slot": "s1", "node": "n", "epoch": 1, "replaces": [1, 2]}, M.parse_claim,
-     "claim frame: 'replaces' must be"),
-    ("claim", {"slot": "z" * 300, "node": "n", "epoch": 1}, M.parse_claim, "claim frame: slot must be a non-empty string"),
-    ("claim_result", {"slot": "s1", "granted": 1, "code": "held", "reason": ""}, M.parse_claim_result,
-     "claim_result frame: granted must be a bool"),
-    ("claim_result", {"slot": "s1", "granted": False, "code": "maybe", "reason": ""}, M.parse_claim_result,
-     "claim_result frame: code must be one of"),
-    ("claim_result", {"slot": "s1", "granted": False, "code": "held", "reason": "", "holder": {"node": "x"}},
-     M.parse_claim_result, "claim_result frame: holder.epoch must be a non-negative integer"),
-    ("takeover", {"slot": 5}, M.parse_takeover, "takeover frame: slot must be a non-empty string"),
-    ("takeover", {"slot": "s1", "replaces": {"node": "x", "epoch": -1}}, M.parse_takeover,
-     "takeover frame: replaces.epoch must be a non-negative integer"),
-    ("route", {"slot": "s1", "node": "n", "host": "h", "port": 0, "epoch": 1}, M.parse_route,
-     "route frame: port must be an integer in 1..65535, got 0"),
-    ("route", {"slot": "s1", "node": "n", "host": "h", "port": 5, "epoch": -1}, M.parse_route,
-     "route frame: epoch must be a non-negative integer"),
-    ("retain", {"sessions": [["a", 1, 2]]}, M.parse_retain, r"retain frame: sessions\[0\] must be \[session"),
-    ("retain", {"sessions": {"a": 1}}, M.parse_retain, "retain frame: 'sessions' must be a list"),
-    ("file_list", {"request_id": [1]}, M.parse_file_list, "file_list frame: request_id must be"),
-    ("file_index", {"files": {"a": {"size": -1, "sha256": "x"}}}, M.parse_file_index,
-     r"file_index frame: files\['a'\].size must be a non-negative integer"),
-    ("file_get", {"path": 7}, M.parse_file_get, "file_get frame: path must be a string"),
-    ("file_chunk", {"path": "a", "offset": 0, "size": 1}, M.parse_file_chunk,
-     "file_chunk frame: needs exactly one tensor, 'data'"),
-    ("route", {"slot": "s1"}, M.parse_takeover, "expected a takeover frame, got 'route'"),
-])
+@pytest.mark.parametrize(
+    "kind,fields,parse,msg",
+    [
+        (
+            "claim",
+            {"slot": "s1", "node": "n", "epoch": True},
+            M.parse_claim,
+            "claim frame: epoch must be a non-negative integer, got True",
+        ),
+        (
+            "claim",
+            {"slot": "s1", "node": "n", "epoch": 1, "op": "steal"},
+            M.parse_claim,
+            "claim frame: op must be one of",
+        ),
+        (
+            "claim",
+            {"slot": "s1", "node": "n", "epoch": 1, "since": "x"},
+            M.parse_claim,
+            "claim frame: since must be a unix time or nil",
+        ),
+        (
+            "claim",
+            {"slot": "s1", "node": "n", "epoch": 1, "replaces": [1, 2]},
+            M.parse_claim,
+            "claim frame: 'replaces' must be",
+        ),
+        (
+            "claim",
+            {"slot": "z" * 300, "node": "n", "epoch": 1},
+            M.parse_claim,
+            "claim frame: slot must be a non-empty string",
+        ),
+        (
+            "claim_result",
+            {"slot": "s1", "granted": 1, "code": "held", "reason": ""},
+            M.parse_claim_result,
+            "claim_result frame: granted must be a bool",
+        ),
+        (
+            "claim_result",
+            {"slot": "s1", "granted": False, "code": "maybe", "reason": ""},
+            M.parse_claim_result,
+            "claim_result frame: code must be one of",
+        ),
+        (
+            "claim_result",
+            {"slot": "s1", "granted": False, "code": "held", "reason": "", "holder": {"node": "x"}},
+            M.parse_claim_result,
+            "claim_result frame: holder.epoch must be a non-negative integer",
+        ),
+        ("takeover", {"slot": 5}, M.parse_takeover, "takeover frame: slot must be a non-empty string"),
+        (
+            "takeover",
+            {"slot": "s1", "replaces": {"node": "x", "epoch": -1}},
+            M.parse_takeover,
+            "takeover frame: replaces.epoch must be a non-negative integer",
+        ),
+        (
+            "route",
+            {"slot": "s1", "node": "n", "host": "h", "port": 0, "epoch": 1},
+            M.parse_route,
+            "route frame: port must be an integer in 1..65535, got 0",
+        ),
+        (
+            "route",
+            {"slot": "s1", "node": "n", "host": "h", "port": 5, "epoch": -1},
+            M.parse_route,
+            "route frame: epoch must be a non-negative integer",
+        ),
+        ("retain", {"sessions": [["a", 1, 2]]}, M.parse_retain, r"retain frame: sessions\[0\] must be \[session"),
+        ("retain", {"sessions": {"a": 1}}, M.parse_retain, "retain frame: 'sessions' must be a list"),
+        ("file_list", {"request_id": [1]}, M.parse_file_list, "file_list frame: request_id must be"),
+        (
+            "file_index",
+            {"files": {"a": {"size": -1, "sha256": "x"}}},
+            M.parse_file_index,
+            r"file_index frame: files\['a'\].size must be a non-negative integer",
+        ),
+        ("file_get", {"path": 7}, M.parse_file_get, "file_get frame: path must be a string"),
+        (
+            "file_chunk",
+            {"path": "a", "offset": 0, "size": 1},
+            M.parse_file_chunk,
+            "file_chunk frame: needs exactly one tensor, 'data'",
+        ),
+        ("route", {"slot": "s1"}, M.parse_takeover, "expected a takeover frame, got 'route'"),
+    ],
+)
 def test_control_and_file_parsers_name_the_bad_field(kind, fields, parse, msg):
     with pytest.raises(ProtocolError, match=msg):
         parse(_roundtrip(Frame.make(kind, **fields)))
@@ -221,8 +302,13 @@ def test_client_replies_round_trip_and_name_the_bad_field():
     assert M.parse_token(_roundtrip(M.token_frame(3, "s-1", 42))) == (3, "s-1", 42)
     lg = np.zeros((2, 4), np.float32)
     d = M.parse_done(_roundtrip(M.done_frame(3, "s-1", [5, 6], {"prompt_tokens": 2}, {"slot": "s0"}, lg)))
-    assert (d.request_id, d.session, d.tokens, d.stats, d.stage_stats) == (3, "s-1", [5, 6], {"prompt_tokens": 2},
-                                                                           {"slot": "s0"})
+    assert (d.request_id, d.session, d.tokens, d.stats, d.stage_stats) == (
+        3,
+        "s-1",
+        [5, 6],
+        {"prompt_tokens": 2},
+        {"slot": "s0"},
+    )
     e = M.parse_error(_roundtrip(M.error_frame(M.ErrorCode.BUSY, "full", request_id=3, fatal=True)))
     assert e == M.ErrorReply("busy", "full", 3, True)
     with pytest.raises(ProtocolError, match="token frame: token must be a non-negative integer, got -1"):
@@ -238,8 +324,13 @@ def test_client_replies_round_trip_and_name_the_bad_field():
 def test_status_and_pong_have_parsers_that_refuse_other_kinds():
     from p2pk3.transport.codec import Frame, ProtocolError
     from p2pk3.transport.messages import parse_pong, parse_status, ping_frame, pong_frame, status_frame
-    assert parse_status(status_frame(slot="s1", role="entry", sessions=3)) == {"kind": "status", "slot": "s1",
-                                                                                 "role": "entry", "sessions": 3}
+
+    assert parse_status(status_frame(slot="s1", role="entry", sessions=3)) == {
+        "kind": "status",
+        "slot": "s1",
+        "role": "entry",
+        "sessions": 3,
+    }
     pong = parse_pong(pong_frame(ping_frame(7, 123), slot="s2", epoch=4))
     assert (pong["id"], pong["t_ns"], pong["slot"], pong["epoch"]) == (7, 123, "s2", 4)
     with pytest.raises(ProtocolError, match="expected a status frame, got 'pong'"):

@@ -1,4 +1,5 @@
 """Prometheus metrics of a daemon (`p2pk3 node --metrics-port`): scraped from a live 1-node ring."""
+
 import asyncio
 import socket
 import urllib.request
@@ -46,6 +47,7 @@ def test_counters_move_with_a_request(ring):
             return await c.generate([1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=5))
         finally:
             c.close()
+
     reply = asyncio.run(go())
     after = scrape(ring.metrics_port)
     assert after["p2pk3_tokens_total"] == 6 + len(reply.tokens) - 1  # the prompt, then one token per decode step
@@ -67,10 +69,13 @@ def test_a_taken_port_is_an_error():
     s.bind(("127.0.0.1", 0))
     s.listen()
     try:
+
         async def go():
             class Idle:  # a daemon that has not loaded a stage yet
                 worker = None
+
             start_metrics(Idle(), s.getsockname()[1], host="127.0.0.1")
+
         with pytest.raises(OSError):
             asyncio.run(go())
     finally:

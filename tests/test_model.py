@@ -1,5 +1,6 @@
 """Model core: hand-computed module examples, independent oracles (fla's naive KDA), and the engine's
 consistency properties (prefill = decode, staged = whole, absorbed = naive MLA, expert subsets)."""
+
 from __future__ import annotations
 
 import json
@@ -62,12 +63,34 @@ def test_config_errors_are_clear():
 # vision_config), in the layout of the published moonshotai/Kimi-K3 file, with K3's real values.
 HF_K3_CONFIG = Path(__file__).parent / "data" / "kimi-k3-config.json"
 # A sample of what transformers adds, written out here (not taken from config.py) so the fixture cannot lose it.
-BOILERPLATE_SAMPLE = {"top_k", "max_length", "temperature", "num_beams", "bad_words_ids", "tie_encoder_decoder",
-                      "return_dict", "torchscript", "pruned_heads", "id2label", "label2id", "problem_type",
-                      "tokenizer_class", "prefix", "sep_token_id", "decoder_start_token_id", "task_specific_params",
-                      "cross_attention_hidden_size", "suppress_tokens", "use_bfloat16", "tf_legacy_loss",
-                      "architectures", "torch_dtype", "transformers_version", "_name_or_path",
-                      "_attn_implementation_autoset"}
+BOILERPLATE_SAMPLE = {
+    "top_k",
+    "max_length",
+    "temperature",
+    "num_beams",
+    "bad_words_ids",
+    "tie_encoder_decoder",
+    "return_dict",
+    "torchscript",
+    "pruned_heads",
+    "id2label",
+    "label2id",
+    "problem_type",
+    "tokenizer_class",
+    "prefix",
+    "sep_token_id",
+    "decoder_start_token_id",
+    "task_specific_params",
+    "cross_attention_hidden_size",
+    "suppress_tokens",
+    "use_bfloat16",
+    "tf_legacy_loss",
+    "architectures",
+    "torch_dtype",
+    "transformers_version",
+    "_name_or_path",
+    "_attn_implementation_autoset",
+}
 
 
 def _hf_k3() -> dict:
@@ -180,7 +203,10 @@ def test_attnres_mix_module_owns_its_pair_and_keeps_checkpoint_names(whole):
     w = mix.norm.weight * mix.proj.weight[0]
     assert torch.equal(mix(bank, prefix), attnres_ref.attnres_mix(bank, prefix, w, TINY_K3.rms_norm_eps))
     # the published names stay the checkpoint's; module paths differ only for the AttnRes pairs
-    assert checkpoint_to_module("model.layers.7.self_attention_res_proj.weight") == "model.layers.7.self_attention_res.proj.weight"
+    assert (
+        checkpoint_to_module("model.layers.7.self_attention_res_proj.weight")
+        == "model.layers.7.self_attention_res.proj.weight"
+    )
     assert checkpoint_to_module("model.output_attn_res_norm.weight") == "model.output_attn_res.norm.weight"
     params = [n for n, _ in stage.named_parameters()]
     expected = stage.expected_tensors()
@@ -208,8 +234,10 @@ def test_short_conv_by_hand_and_across_calls():
     a, b = state.clone(), state.clone()
     z = torch.randn(5, 2)
     split = conv(z, a, torch.tensor([2, 0]), [0, 3, 5])
-    steps = torch.cat([conv(z[t:t + 1], b, torch.tensor([2])) for t in range(3)]
-                      + [conv(z[t:t + 1], b, torch.tensor([0])) for t in range(3, 5)])
+    steps = torch.cat(
+        [conv(z[t : t + 1], b, torch.tensor([2])) for t in range(3)]
+        + [conv(z[t : t + 1], b, torch.tensor([0])) for t in range(3, 5)]
+    )
     assert torch.allclose(split, steps, atol=1e-6) and torch.allclose(a, b)
 
 
@@ -263,23 +291,51 @@ def test_kda_matches_fla_naive():
     assert torch.allclose(g, naive_kda_lowerbound_gate(a, A_log, dt, -5.0))
     assert (g >= -5).all() and (g <= 0).all()  # open interval (-5, 0) in exact math; fp32 saturates at the ends
     qn, kn = kda_ref.l2norm(q), kda_ref.l2norm(k)
-    o_rec, S_rec = naive_recurrent_kda(qn[None], kn[None], v[None], g[None], torch.sigmoid(b)[None],
-                                       scale=K ** -0.5, initial_state=S0.clone(), output_final_state=True)
+    o_rec, S_rec = naive_recurrent_kda(
+        qn[None],
+        kn[None],
+        v[None],
+        g[None],
+        torch.sigmoid(b)[None],
+        scale=K**-0.5,
+        initial_state=S0.clone(),
+        output_final_state=True,
+    )
     pad = 128 - T
     zp = lambda t: torch.cat([t, t.new_zeros(pad, *t.shape[1:])])  # noqa: E731 (g=0, beta=0 pad: no-op)
-    o_chk, _ = naive_chunk_kda(zp(qn)[None], zp(kn)[None], zp(v)[None], zp(g)[None], zp(torch.sigmoid(b))[None],
-                               scale=K ** -0.5, initial_state=S0.clone(), output_final_state=True)
+    o_chk, _ = naive_chunk_kda(
+        zp(qn)[None],
+        zp(kn)[None],
+        zp(v)[None],
+        zp(g)[None],
+        zp(torch.sigmoid(b))[None],
+        scale=K**-0.5,
+        initial_state=S0.clone(),
+        output_final_state=True,
+    )
     st = S0.clone()
-    o = kda_ref.kda_prefill(q, k, v, a, b, A_log, dt, st, [0, T], torch.tensor([0]), K ** -0.5, -5.0)
+    o = kda_ref.kda_prefill(q, k, v, a, b, A_log, dt, st, [0, T], torch.tensor([0]), K**-0.5, -5.0)
     assert (o - o_rec[0]).abs().max() < 1e-4 and (o - o_chk[0, :T]).abs().max() < 1e-4
     assert (st - S_rec).abs().max() < 1e-4
     st = S0.clone()
     for t in range(T):
-        ot = kda_ref.kda_decode(q[t:t + 1], k[t:t + 1], v[t:t + 1], a[t:t + 1], b[t:t + 1], A_log, dt, st,
-                                torch.tensor([0]), K ** -0.5, -5.0)
+        ot = kda_ref.kda_decode(
+            q[t : t + 1],
+            k[t : t + 1],
+            v[t : t + 1],
+            a[t : t + 1],
+            b[t : t + 1],
+            A_log,
+            dt,
+            st,
+            torch.tensor([0]),
+            K**-0.5,
+            -5.0,
+        )
         assert (ot[0] - o_rec[0, t]).abs().max() < 1e-4
     # Kimi Linear softplus gate
     from fla.ops.kda.gate import naive_kda_gate
+
     assert torch.allclose(kda_ref.kda_gate(a, A_log, dt, None), naive_kda_gate(a, A_log, dt))
 
 
@@ -295,8 +351,19 @@ def test_kda_one_step_by_hand():
     assert torch.allclose(st[0, 0], torch.tensor([[0.0, 0.0], [1.5, 2.0]]), atol=1e-6)
     assert torch.allclose(o, torch.zeros(1, 1, 2), atol=1e-6)  # q orthogonal to k
     q2 = torch.tensor([[[0.0, 1.0]]])
-    o = kda_ref.kda_decode(q2, k, torch.zeros(1, 1, 2), a, torch.tensor([[-30.0]]), torch.zeros(1), torch.zeros(2), st,
-                           torch.tensor([0]), 1.0, -5.0)
+    o = kda_ref.kda_decode(
+        q2,
+        k,
+        torch.zeros(1, 1, 2),
+        a,
+        torch.tensor([[-30.0]]),
+        torch.zeros(1),
+        torch.zeros(2),
+        st,
+        torch.tensor([0]),
+        1.0,
+        -5.0,
+    )
     decay = math.exp(-5 * 0.5)  # g = lb * sigmoid(exp(0) * 0)
     assert torch.allclose(o[0, 0], torch.tensor([1.5, 2.0]) * decay, atol=1e-5)
 
@@ -340,8 +407,12 @@ def test_mla_mode_is_per_instance(ckpt):
     one.set_mla_mode("naive")
     assert {m.mode for m in two.modules() if isinstance(m, GatedMLA)} == {"auto"}
     assert not hasattr(GatedMLA, "mode")
-    built = build_stage(cfg, StagePlan.whole(cfg), load_stage_weights(ckpt, cfg, range(cfg.num_hidden_layers),
-                                                                      embed=True, head=True), mla_mode="absorbed")
+    built = build_stage(
+        cfg,
+        StagePlan.whole(cfg),
+        load_stage_weights(ckpt, cfg, range(cfg.num_hidden_layers), embed=True, head=True),
+        mla_mode="absorbed",
+    )
     assert {m.mode for m in built.modules() if isinstance(m, GatedMLA)} == {"absorbed"}
 
 
@@ -396,8 +467,14 @@ def test_layer_split_by_experts_over_two_stages(ckpt, whole):
     """Layer 3's experts split over two consecutive stages: the partial latent sum travels on."""
     E = TINY_K3.num_experts
     first, second = list(range(0, E, 2)), list(range(1, E, 2))
-    a = StagePlan(layers=[0, 1, 2, 3], embed=True, parts={3: ("attn", "mlp")}, experts={3: first},
-                  covered={3: list(range(E))}, finish={3: False})
+    a = StagePlan(
+        layers=[0, 1, 2, 3],
+        embed=True,
+        parts={3: ("attn", "mlp")},
+        experts={3: first},
+        covered={3: list(range(E))},
+        finish={3: False},
+    )
     b = StagePlan(layers=[3, 4, 5], head=True, parts={3: ("mlp",)}, experts={3: second}, covered={3: list(range(E))})
     pipe = Pipeline([load_stage(ckpt, a), load_stage(ckpt, b)], max_sessions=2, max_tokens=256, block_size=8)
     assert (pipe.score(TOKS) - whole.score(TOKS)).abs().max() <= 1e-5
@@ -454,6 +531,7 @@ def test_mxfp8_activation_fake_quant_is_off_by_default_and_close_when_on(whole):
 
 def _batch_for(stage, n):
     from p2pk3.model.batch import Batch
+
     cache = stage.new_cache(2, 64, block_size=8)
     cache.open("h")
     spans = [Span("h", 0, n)]
@@ -473,7 +551,7 @@ def test_mla_single_token_by_hand(whole):
         lat = kv[:, : c.kv_lora_rank]
         lat = lat / torch.sqrt(lat.pow(2).mean(-1, keepdim=True) + 1e-6) * mla.kv_a_layernorm.weight
         w = mla.kv_b_proj.weight.view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
-        v = torch.einsum("hdr,r->hd", w[:, c.qk_nope_head_dim:], lat[0]).reshape(1, -1)
+        v = torch.einsum("hdr,r->hd", w[:, c.qk_nope_head_dim :], lat[0]).reshape(1, -1)
         want = (v * torch.sigmoid(x @ mla.g_proj.weight.T)) @ mla.o_proj.weight.T
     assert torch.allclose(y, want, atol=1e-5)
 
@@ -519,12 +597,14 @@ def test_uncertain_facts_are_pinned(whole):
     assert stage.model.layers["0"].input_layernorm.eps == TINY_K3.rms_norm_eps
     kda = stage.model.layers["0"].self_attn
     assert kda.A_log.shape == (max(TINY_K3.kda_num_heads, TINY_K3.kda_head_dim),)  # padded like K3's [128]
-    assert torch.all(kda.A_log[TINY_K3.kda_num_heads:] == 0)  # [V2]: only the first `heads` are real
+    assert torch.all(kda.A_log[TINY_K3.kda_num_heads :] == 0)  # [V2]: only the first `heads` are real
     assert KIMI_K3.kda_a_log_len == 128
     # SiTU per the remote code: tanh caps on both branches, sigmoid of the raw gate (not gate*sigmoid(b*gate))
     g, u = torch.tensor([3.0]), torch.tensor([1.0])
-    assert torch.allclose(mxfp4_moe_ref.glu_act(g, u, "situ", 4.0, 25.0),
-                          4 * torch.tanh(g / 4) * torch.sigmoid(g) * 25 * torch.tanh(u / 25))
+    assert torch.allclose(
+        mxfp4_moe_ref.glu_act(g, u, "situ", 4.0, 25.0),
+        4 * torch.tanh(g / 4) * torch.sigmoid(g) * 25 * torch.tanh(u / 25),
+    )
 
 
 def test_mixed_batch_each_group_on_its_fast_path_matches_separate_runs(ckpt):
@@ -545,6 +625,7 @@ def test_mixed_batch_each_group_on_its_fast_path_matches_separate_runs(ckpt):
     spans = [Span("a", 5, 1), Span("d", 0, 7), Span("b", 9, 1), Span("c", 3, 1)]
     toks = torch.tensor([TOKS[5]] + chunk + [TOKS[12], TOKS[10]])
     got = pipe.forward(spans, toks, logits="last")
-    want = torch.stack([alone.forward([sp], toks[i:i + sp.length], logits="last")[0]
-                        for sp, i in zip(spans, [0, 1, 8, 9])])
+    want = torch.stack(
+        [alone.forward([sp], toks[i : i + sp.length], logits="last")[0] for sp, i in zip(spans, [0, 1, 8, 9])]
+    )
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()

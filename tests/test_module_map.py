@@ -1,6 +1,7 @@
 """docs/architecture.md's module map names every module of the package and of kernels/ (issue 20: "the
 architecture doc's module map complete"). A module counts as named when a row of the map whose first cell
 is about its directory mentions its file name (`name.py`) or its stem in backticks (`name`)."""
+
 from __future__ import annotations
 
 import pathlib
@@ -27,9 +28,15 @@ def unnamed_modules() -> list[str]:
         rel = p.relative_to(ROOT)
         d = str(rel.parent) + "/"
         stem = p.stem.removesuffix("_ref") if d == "kernels/" else p.stem
-        named = any(d in first and (re.search(rf"\b{re.escape(p.name)}\b", row) or f"`{stem}`" in row
-                                    or (p.name == "__init__.py" and f"`{d}`" in first))
-                    for first, row in rows)
+        named = any(
+            d in first
+            and (
+                re.search(rf"\b{re.escape(p.name)}\b", row)
+                or f"`{stem}`" in row
+                or (p.name == "__init__.py" and f"`{d}`" in first)
+            )
+            for first, row in rows
+        )
         if not named:
             missing.append(str(rel))
     return missing
@@ -37,8 +44,10 @@ def unnamed_modules() -> list[str]:
 
 def test_every_module_is_in_the_module_map():
     missing = unnamed_modules()
-    assert not missing, ("modules missing from docs/architecture.md's module map (add them to the row of "
-                         "their package): " + ", ".join(missing))
+    assert not missing, (
+        "modules missing from docs/architecture.md's module map (add them to the row of "
+        "their package): " + ", ".join(missing)
+    )
 
 
 def test_the_check_finds_an_unnamed_module(tmp_path, monkeypatch):

@@ -1,4 +1,5 @@
 """MXFP4 / E8M0 / MXFP8 numerics, checked against ml_dtypes and a scalar pure-Python reference."""
+
 from __future__ import annotations
 
 import math
@@ -13,8 +14,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from p2pk3.quant.mxfp4 import (  # noqa: E402
-    E2M1_VALUES, MXFP4Error, dequantize_mxfp4, e8m0_to_float, mxfp8_e4m3_fake_quant, pack_fp4,
-    quantize_e2m1, quantize_mxfp4, unpack_fp4,
+    E2M1_VALUES,
+    MXFP4Error,
+    dequantize_mxfp4,
+    e8m0_to_float,
+    mxfp8_e4m3_fake_quant,
+    pack_fp4,
+    quantize_e2m1,
+    quantize_mxfp4,
+    unpack_fp4,
 )
 
 GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
@@ -43,14 +51,14 @@ def ref_quantize_row(row: list[float]) -> tuple[list[int], list[int]]:
     """Scalar reference of OCP MX quantization (codes unpacked, scale bytes) for one row."""
     codes, scales = [], []
     for b in range(0, len(row), 32):
-        blk = row[b:b + 32]
+        blk = row[b : b + 32]
         amax = max(abs(v) for v in blk)
         if amax == 0:
             e = -127
         else:
             e = max(math.frexp(amax)[1] - 1 - 2, -127)
         scales.append(e + 127)
-        codes += [ref_e2m1_code(v / 2.0 ** e) for v in blk]
+        codes += [ref_e2m1_code(v / 2.0**e) for v in blk]
     return codes, scales
 
 
@@ -70,7 +78,7 @@ def test_e8m0_all_256_scales_match_ml_dtypes():
     assert ours.dtype == np.float64 and e8m0_to_float(s).dtype == torch.float32
     np.testing.assert_array_equal(ours[:255], ref[:255])  # exact, incl. 2^-127 (float32 subnormal)
     assert np.isnan(ours[255]) and np.isnan(ref[255])
-    assert ours[127] == 1.0 and ours[0] == 2.0 ** -127 and ours[254] == 2.0 ** 127
+    assert ours[127] == 1.0 and ours[0] == 2.0**-127 and ours[254] == 2.0**127
 
 
 def test_e8m0_rejects_non_uint8():
@@ -151,7 +159,9 @@ def test_dequantize_nan_scale_raises_with_count_and_position():
         dequantize_mxfp4(packed, scale)
 
 
-@pytest.mark.parametrize("pshape,sshape", [((4, 32), (4, 3)), ((4, 32), (5, 2)), ((2, 4, 32), (3, 4, 2)), ((4, 32), (8,))])
+@pytest.mark.parametrize(
+    "pshape,sshape", [((4, 32), (4, 3)), ((4, 32), (5, 2)), ((2, 4, 32), (3, 4, 2)), ((4, 32), (8,))]
+)
 def test_dequantize_shape_mismatch(pshape, sshape):
     with pytest.raises(MXFP4Error, match="weight_scale"):
         dequantize_mxfp4(torch.zeros(pshape, dtype=torch.uint8), torch.full(sshape, 127, dtype=torch.uint8))
@@ -177,7 +187,7 @@ def test_quantize_matches_scalar_reference():
     rows = [torch.randn(64, generator=g) * 10.0 ** float(k) for k in (-3, -1, 0, 2, 5)]
     rows.append(torch.cat([torch.zeros(32), torch.randn(32, generator=g)]))  # one all-zero block
     rows.append(torch.arange(64, dtype=torch.float32) / 4 - 8)  # exact ties after scaling
-    rows.append(torch.randn(64, generator=g) * 2.0 ** -130)  # exponent clamps at -127
+    rows.append(torch.randn(64, generator=g) * 2.0**-130)  # exponent clamps at -127
     rows.append(torch.full((64,), 7.0) * torch.tensor([1.0, -1.0]).repeat(32))  # [6, 8) -> saturate
     w = torch.stack(rows)
     p, s = quantize_mxfp4(w)
@@ -238,11 +248,11 @@ def ref_mxfp8(x: np.ndarray, block: int = 32) -> np.ndarray:
     out = np.empty_like(x, dtype=np.float64)
     for r in range(x.shape[0]):
         for b in range(0, x.shape[1], block):
-            blk = x[r, b:b + block].astype(np.float64)
+            blk = x[r, b : b + block].astype(np.float64)
             amax = np.abs(blk).max()
             e = -127 if amax == 0 else max(math.frexp(amax)[1] - 1 - 8, -127)
-            q = np.clip(blk / 2.0 ** e, -448, 448).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
-            out[r, b:b + block] = q.astype(np.float64) * 2.0 ** e
+            q = np.clip(blk / 2.0**e, -448, 448).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
+            out[r, b : b + block] = q.astype(np.float64) * 2.0**e
     return out
 
 

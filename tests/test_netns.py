@@ -1,4 +1,5 @@
 """Two network namespaces on a private bridge: TCP between them, and discovery beacons across the bridge."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,7 @@ import pytest
 
 from netns import NetnsLab, netns_unavailable_reason
 
-pytestmark = pytest.mark.skipif(netns_unavailable_reason() is not None,
-                                reason=netns_unavailable_reason() or "")
+pytestmark = pytest.mark.skipif(netns_unavailable_reason() is not None, reason=netns_unavailable_reason() or "")
 
 SERVER = textwrap.dedent("""
     import asyncio, sys
@@ -80,10 +80,22 @@ def test_namespaces_tcp_and_beacons():
             srv.wait()
         # discovery beacons across the bridge; namespace 2 uses another secret and stays invisible
         port = 47990
-        procs = [lab.popen(i, [sys.executable, "-c", BEACON, f"n{i}", lab.broadcast, str(port),
-                               "right-secret-0123456789" if i < 2 else "wrong-secret-0123456789",
-                               "1" if i < 2 else "0"])
-                 for i in range(3)]
+        procs = [
+            lab.popen(
+                i,
+                [
+                    sys.executable,
+                    "-c",
+                    BEACON,
+                    f"n{i}",
+                    lab.broadcast,
+                    str(port),
+                    "right-secret-0123456789" if i < 2 else "wrong-secret-0123456789",
+                    "1" if i < 2 else "0",
+                ],
+            )
+            for i in range(3)
+        ]
         outs = []
         for p in procs:
             try:

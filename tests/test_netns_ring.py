@@ -1,6 +1,7 @@
 """4 daemons on 4 separate network hosts (namespaces on a private bridge, made by the test): the ring
 forms by UDP beacons alone (topology without addresses), or — with every beacon dropped by the discovery's
 fault hook — from the static addresses of the topology. Generation through it equals one process."""
+
 from __future__ import annotations
 
 import json
@@ -55,8 +56,21 @@ def _ring(tmp_path, ckpt, lab, static: bool):
     (tmp_path / "topology.toml").write_text(topo.dump())
     procs = []
     for i, s in enumerate(topo.active):
-        argv = [sys.executable, "-m", "p2pk3.cli", "node", "--topology", str(tmp_path / "topology.toml"),
-                "--slot", s.id, "--host", lab.addr(i), "--port", str(PORT), "--discovery"]
+        argv = [
+            sys.executable,
+            "-m",
+            "p2pk3.cli",
+            "node",
+            "--topology",
+            str(tmp_path / "topology.toml"),
+            "--slot",
+            s.id,
+            "--host",
+            lab.addr(i),
+            "--port",
+            str(PORT),
+            "--discovery",
+        ]
         if static:
             argv.append("--drop-beacons")
         log = open(tmp_path / f"node{i}.log", "w")
@@ -71,8 +85,11 @@ def test_four_hosts_form_the_ring(tmp_path, ckpt, static):
     with NetnsLab(4) as lab:
         procs, secret = _ring(tmp_path, ckpt, lab, static)
         try:
-            r = lab.run(3, [sys.executable, "-c", CLIENT, lab.addr(0), str(PORT), secret.encode().hex(),
-                            json.dumps(PROMPTS)], timeout=300)
+            r = lab.run(
+                3,
+                [sys.executable, "-c", CLIENT, lab.addr(0), str(PORT), secret.encode().hex(), json.dumps(PROMPTS)],
+                timeout=300,
+            )
             logs = "\n".join((tmp_path / f"node{i}.log").read_text()[-1500:] for i in range(4))
             assert r.returncode == 0, r.stderr[-2000:] + logs
             assert json.loads(r.stdout.strip().splitlines()[-1]) == want
@@ -129,8 +146,9 @@ def test_link_down_on_a_netns_host_is_taken_over(tmp_path, ckpt):
     n = 40
     want = Pipeline.load(ckpt, 1, max_sessions=4, max_tokens=512).generate(PROMPTS, SamplingParams(max_tokens=n))
     with NetnsLab(6) as lab:  # 0-3 ring, 4 standby, 5 the client
-        topo = even_split(TINY_K3, 4, host=None, model_path=str(ckpt), secret_file="secret", name="netns-fail",
-                          n_standby=1)
+        topo = even_split(
+            TINY_K3, 4, host=None, model_path=str(ckpt), secret_file="secret", name="netns-fail", n_standby=1
+        )
         for i, s in enumerate(topo.slots):
             s.host, s.port = lab.addr(i), PORT
         (tmp_path / "secret").write_text(secrets.token_hex(32))
@@ -138,12 +156,26 @@ def test_link_down_on_a_netns_host_is_taken_over(tmp_path, ckpt):
         procs = []
         try:
             for i, s in enumerate(topo.slots):
-                argv = [sys.executable, "-m", "p2pk3.cli", "node", "--topology", str(tmp_path / "topology.toml"),
-                        "--slot", s.id, "--host", lab.addr(i), "--port", str(PORT), "--no-discovery"]
+                argv = [
+                    sys.executable,
+                    "-m",
+                    "p2pk3.cli",
+                    "node",
+                    "--topology",
+                    str(tmp_path / "topology.toml"),
+                    "--slot",
+                    s.id,
+                    "--host",
+                    lab.addr(i),
+                    "--port",
+                    str(PORT),
+                    "--no-discovery",
+                ]
                 log = open(tmp_path / f"node{i}.log", "w")
                 procs.append(lab.popen(i, argv, stdout=log, stderr=subprocess.STDOUT, env={"OMP_NUM_THREADS": "1"}))
-            client = lab.popen(5, [sys.executable, "-c", RESUMING_CLIENT, str(tmp_path / "topology.toml"),
-                                   json.dumps(PROMPTS), str(n)])
+            client = lab.popen(
+                5, [sys.executable, "-c", RESUMING_CLIENT, str(tmp_path / "topology.toml"), json.dumps(PROMPTS), str(n)]
+            )
             line = client.stdout.readline()
             assert line.strip() == "STREAMING", line + client.stderr.read()[-2000:]
             lab.set_link(2, False)

@@ -17,6 +17,7 @@ API (`build_stage` + `K3Stage.forward` on a one-layer `StagePlan`), never throug
   * top-k / top-p sampling: the set of tokens that can ever be drawn over a seed sweep equals the allowed
     set computed by sorting probabilities by hand, and the frequencies match the renormalised ones.
 """
+
 from __future__ import annotations
 
 import math
@@ -84,7 +85,7 @@ class Runner:
         hop = Hop(prefix=x.clone(), bank=x.new_zeros(0, *x.shape))
         with torch.inference_mode():
             out = self.stage([Span(s, start, n) for s, start, n in spans], self.cache, hop=hop)
-        return (out.prefix.double() - x.double())
+        return out.prefix.double() - x.double()
 
 
 def set_mla_mode(stage, mode: str) -> None:
@@ -172,20 +173,20 @@ def test_mla_across_prefill_decode_boundaries(mla_setup, mode):
     run = Runner(stage)
     steps = [  # (spans, rows of a, rows of b)
         [("a", 0, 3)],
-        [("a", 3, 1)],                      # decode
-        [("b", 0, 5), ("a", 4, 1)],         # mixed: prefill of b + decode of a
-        [("a", 5, 1), ("b", 5, 1)],         # batched decode of two lengths
-        [("a", 6, 3), ("b", 6, 1)],         # second prefill chunk of a
+        [("a", 3, 1)],  # decode
+        [("b", 0, 5), ("a", 4, 1)],  # mixed: prefill of b + decode of a
+        [("a", 5, 1), ("b", 5, 1)],  # batched decode of two lengths
+        [("a", 6, 3), ("b", 6, 1)],  # second prefill chunk of a
     ]
     pos = {"a": 0, "b": 0}
     for spans in steps:
-        xs = torch.cat([(xa if s == "a" else xb)[st:st + n] for s, st, n in spans])
+        xs = torch.cat([(xa if s == "a" else xb)[st : st + n] for s, st, n in spans])
         got = run(spans, xs)
         r = 0
         for s, st, n in spans:
             assert pos[s] == st
-            want = (wa if s == "a" else wb)[st:st + n]
-            ok, err = close(got[r:r + n], want)
+            want = (wa if s == "a" else wb)[st : st + n]
+            ok, err = close(got[r : r + n], want)
             assert ok, f"mode {mode}: session {s} tokens {st}..{st + n - 1} after spans {spans}: err {err:.3g}"
             r += n
             pos[s] += n
@@ -198,7 +199,7 @@ def _paged(latent: torch.Tensor, bs: int, order: list[int]):
     NB = max(order) + 1
     cache = torch.full((NB, bs, Wd), 1e4)  # junk outside the sequence: must never be read
     for i in range(nb):
-        rows = latent[i * bs:(i + 1) * bs]
+        rows = latent[i * bs : (i + 1) * bs]
         cache[order[i], : rows.shape[0]] = rows
     return cache, torch.tensor([order[:nb]], dtype=torch.int32)
 
@@ -305,18 +306,18 @@ def test_kda_short_conv_hand_example_asymmetric_taps(monkeypatch):
     vals = torch.tensor([0.1, -0.2, 0.3, -0.1, 0.2, -0.3])
     xa = torch.zeros(6, D)
     xa[:, 0] = vals
-    xa[:, 1] = torch.sqrt(D - vals ** 2)  # mean square exactly 1: the RMSNorm leaves x[:, 0] as it is
+    xa[:, 1] = torch.sqrt(D - vals**2)  # mean square exactly 1: the RMSNorm leaves x[:, 0] as it is
     xb = _x(2, D, 5)
     run = Runner(stage)
     got = []
     for spans in CONV_STEPS:
-        xs = torch.cat([(xa if s == "a" else xb)[st:st + n] for s, st, n in spans])
+        xs = torch.cat([(xa if s == "a" else xb)[st : st + n] for s, st, n in spans])
         run(spans, xs)
         q = seen[-1][0]
         r = 0
         for s, _st, n in spans:
             if s == "a":
-                got.append(q[r:r + n, 0, 0])
+                got.append(q[r : r + n, 0, 0])
             r += n
     got = torch.cat(got).double()
     want = torch.nn.functional.silu(torch.tensor([0.4, -0.5, 0.8, 0.2, 0.9, -0.5], dtype=D64))
@@ -337,12 +338,12 @@ def test_kda_short_conv_all_channels_with_cache(monkeypatch):
     run = Runner(stage)
     got = {"a": [], "b": []}
     for spans in CONV_STEPS:
-        xs = torch.cat([(xa if s == "a" else xb)[st:st + n] for s, st, n in spans])
+        xs = torch.cat([(xa if s == "a" else xb)[st : st + n] for s, st, n in spans])
         run(spans, xs)
         q, k, v = seen[-1]
         r = 0
         for s, _st, n in spans:
-            got[s].append(torch.stack([t[r:r + n].reshape(n, -1) for t in (q, k, v)]))
+            got[s].append(torch.stack([t[r : r + n].reshape(n, -1) for t in (q, k, v)]))
             r += n
     for s, x in (("a", xa), ("b", xb)):
         xn = rms(x.to(D64), cfg.rms_norm_eps) * W(sd, p + "input_layernorm.weight")
@@ -362,8 +363,10 @@ def kda_oracle(sd, cfg, layer: int, x: torch.Tensor) -> torch.Tensor:
     T = x.shape[0]
     H, K = cfg.kda_num_heads, cfg.kda_head_dim
     xn = rms(x.to(D64), cfg.rms_norm_eps) * W(sd, p + "input_layernorm.weight")
-    qkv = [_conv_oracle(xn @ W(sd, a + f"{n}_proj.weight").T, W(sd, a + f"{n}_conv1d.weight")[:, 0, :]).view(T, H, K)
-           for n in "qkv"]
+    qkv = [
+        _conv_oracle(xn @ W(sd, a + f"{n}_proj.weight").T, W(sd, a + f"{n}_conv1d.weight")[:, 0, :]).view(T, H, K)
+        for n in "qkv"
+    ]
     q, k, v = qkv
     gl = ((xn @ W(sd, a + "f_a_proj.weight").T) @ W(sd, a + "f_b_proj.weight").T).view(T, H, K)
     gl = gl + W(sd, a + "dt_bias").view(H, K)
@@ -401,11 +404,11 @@ def test_kda_layer_matches_recurrence_oracle(cfg):
     wa, wb = kda_oracle(sd, cfg, KDA_LAYER, xa), kda_oracle(sd, cfg, KDA_LAYER, xb)
     run = Runner(stage)
     for spans in CONV_STEPS:
-        xs = torch.cat([(xa if s == "a" else xb)[st:st + n] for s, st, n in spans])
+        xs = torch.cat([(xa if s == "a" else xb)[st : st + n] for s, st, n in spans])
         got = run(spans, xs)
         r = 0
         for s, st, n in spans:
-            ok, err = close(got[r:r + n], (wa if s == "a" else wb)[st:st + n], 5e-5)
+            ok, err = close(got[r : r + n], (wa if s == "a" else wb)[st : st + n], 5e-5)
             assert ok, f"{cfg.model_type}: KDA session {s} tokens {st}..{st + n - 1}: err {err:.3g}"
             r += n
 
@@ -439,7 +442,9 @@ def test_kimi_linear_dense_moe_by_hand():
     sd = state_for(cfg, seed=41)
     m = f"model.layers.{MOE_LAYER}.block_sparse_moe."
     # a correction bias large enough to change some choices (selection by s + b, weights by s)
-    sd[m + "gate.e_score_correction_bias"] = torch.randn(cfg.num_experts, generator=torch.Generator().manual_seed(3)) * 0.3
+    sd[m + "gate.e_score_correction_bias"] = (
+        torch.randn(cfg.num_experts, generator=torch.Generator().manual_seed(3)) * 0.3
+    )
     stage = one_layer_stage(cfg, MOE_LAYER, "mlp", sd)
     x = _x(8, cfg.hidden_size, 10)
     want = kimi_linear_moe_oracle(sd, cfg, MOE_LAYER, x)

@@ -1,5 +1,6 @@
 """`p2pk3 plan` and `p2pk3 topology check`: NODES.toml, the itemised memory table, time-balanced splits of
 mixed cards, refusals, and a planned topology that the daemons run with the single-process outputs."""
+
 from __future__ import annotations
 
 import asyncio
@@ -23,10 +24,14 @@ from ring_helpers import InProcessRing
 
 # ring order as listed: the fast cards at both ends hold the indivisible heavy pieces (dense layer 0 + embedding,
 # lm_head); the slow ones in the middle must get less to read
-MIXED = {"nodes": [{"name": "rtx5090", "count": 20, "gpu_memory_gb": 31.5, "memory_bandwidth_gbs": 1792},
-                   {"name": "rtx3090", "count": 30, "gpu_memory_gb": 23.5, "gpu": "rtx3090", "link_gbps": 10},
-                   {"name": "rtx4090", "count": 30, "gpu_memory_gb": 23.5, "gpu": "rtx4090"},
-                   {"name": "rtx5090b", "count": 20, "gpu_memory_gb": 31.5, "gpu": "rtx5090"}]}
+MIXED = {
+    "nodes": [
+        {"name": "rtx5090", "count": 20, "gpu_memory_gb": 31.5, "memory_bandwidth_gbs": 1792},
+        {"name": "rtx3090", "count": 30, "gpu_memory_gb": 23.5, "gpu": "rtx3090", "link_gbps": 10},
+        {"name": "rtx4090", "count": 30, "gpu_memory_gb": 23.5, "gpu": "rtx4090"},
+        {"name": "rtx5090b", "count": 20, "gpu_memory_gb": 31.5, "gpu": "rtx5090"},
+    ]
+}
 
 
 def dense_read(cfg, topo, sid):
@@ -40,8 +45,15 @@ def test_nodes_toml_mixed_cards_with_datasheet_defaults_and_errors():
     assert cards[50].bandwidth_gbs == 1008 and cards[20].bandwidth_gbs == 936 and cards[20].link_gbps == 10
     assert cards[99].bandwidth_gbs == 1792 and "datasheet" in cards[99].bandwidth_source
     with pytest.raises(NodesError) as e:
-        parse_nodes({"nodes": [{"name": "a", "gpu_memory_gb": -1}, {"name": "b", "gpu_memory_gb": 8, "cnt": 2},
-                               {"name": "c", "gpu_memory_gb": 8, "gpu": "rtx9999"}]})
+        parse_nodes(
+            {
+                "nodes": [
+                    {"name": "a", "gpu_memory_gb": -1},
+                    {"name": "b", "gpu_memory_gb": 8, "cnt": 2},
+                    {"name": "c", "gpu_memory_gb": 8, "gpu": "rtx9999"},
+                ]
+            }
+        )
     msg = str(e.value)
     assert "node 'a': gpu_memory_gb must be a positive" in msg and "unknown key(s) cnt" in msg and "rtx9999" in msg
 
@@ -63,12 +75,17 @@ def test_mixed_cards_are_balanced_by_time_not_bytes():
     d3 = np.mean([dense_read(KIMI_K3, topo, s.id) for s in act if s.id.startswith("rtx3090")])
     assert d5 > 1.3 * d3
     # and the pace beats a plan that ignores bandwidth (every card the same speed: a bytes balance)
-    blind = plan_ring(KIMI_K3, [Card(c.id, c.kind, c.gpu_memory_gb, None, standby=c.standby) for c in cards],
-                      memory=MemorySpec(8, 32768, 2048, 1.0), standby=2)
+    blind = plan_ring(
+        KIMI_K3,
+        [Card(c.id, c.kind, c.gpu_memory_gb, None, standby=c.standby) for c in cards],
+        memory=MemorySpec(8, 32768, 2048, 1.0),
+        standby=2,
+    )
     bw = {c.id: c.bandwidth_gbs * 1e9 for c in cards}
     real_pace_of_blind = max(
         (dense_read(KIMI_K3, blind.topology, s.id) + _rest(KIMI_K3, blind.topology, s.id)) / bw[s.id] * 1e3 + 0.08
-        for s in blind.topology.active)
+        for s in blind.topology.active
+    )
     assert p.pace_ms < 0.95 * real_pace_of_blind
 
 
@@ -88,11 +105,19 @@ def test_a_model_that_does_not_fit_is_refused_with_the_shortfall_and_what_would_
     assert short > (weights - 40 * 31.5 * GiB) / GiB  # at least the weights' deficit, plus caches and reserves
     n_more = int(msg.split("It would fit with any one of: ")[1].split(" more card")[0].split("; ")[-1])
     assert "more cards of kind 'rtx5090'" in msg
-    plan_ring(KIMI_K3, cards + [Card(f"x{i}", "rtx5090", 31.5, 1792) for i in range(n_more)],
-              memory=MemorySpec(8, 32768, 2048, 1.0), suggest=False)
+    plan_ring(
+        KIMI_K3,
+        cards + [Card(f"x{i}", "rtx5090", 31.5, 1792) for i in range(n_more)],
+        memory=MemorySpec(8, 32768, 2048, 1.0),
+        suggest=False,
+    )
     with pytest.raises(PlanError):
-        plan_ring(KIMI_K3, cards + [Card(f"x{i}", "rtx5090", 31.5, 1792) for i in range(n_more - 1)],
-                  memory=MemorySpec(8, 32768, 2048, 1.0), suggest=False)
+        plan_ring(
+            KIMI_K3,
+            cards + [Card(f"x{i}", "rtx5090", 31.5, 1792) for i in range(n_more - 1)],
+            memory=MemorySpec(8, 32768, 2048, 1.0),
+            suggest=False,
+        )
     # a cache target too large for 80 cards: fewer sessions or a shorter context would fit, and each does
     big = [Card(f"g{i}", "rtx5090", 31.5, 1792) for i in range(80)]
     with pytest.raises(PlanError) as e:
@@ -125,14 +150,19 @@ def test_context_times_sessions_target_changes_the_split_and_the_table():
     sp = small.topology.slot_plan(small.topology.active[5], KIMI_K3)
     bf = memory_table(KIMI_K3, sp, small.topology.memory, 31.5)
     f8 = memory_table(KIMI_K3, sp, small.topology.memory, 31.5, parse_formats("attention=mxfp8"))
-    assert f8.weights[("attention", "mxfp8")] == pytest.approx(bf.weights[("attention", "bf16")] / 2 * 1.03125, rel=1e-6)
+    assert f8.weights[("attention", "mxfp8")] == pytest.approx(
+        bf.weights[("attention", "bf16")] / 2 * 1.03125, rel=1e-6
+    )
 
 
 def test_planned_topology_for_unequal_cards_runs_on_daemons_with_reference_outputs(ckpt):
     mem = MemorySpec(4, 256, 64, 0.0)
     total = plan_ring(TINY_K3, [Card("big", "x", 1.0, 100.0)], memory=mem).tables["big"].total
-    cards = [Card("a", "fast", total * 0.55 / GiB, 200.0), Card("b", "slow", total * 0.35 / GiB, 50.0),
-             Card("c", "mid", total * 0.6 / GiB, 100.0)]
+    cards = [
+        Card("a", "fast", total * 0.55 / GiB, 200.0),
+        Card("b", "slow", total * 0.35 / GiB, 50.0),
+        Card("c", "mid", total * 0.6 / GiB, 100.0),
+    ]
     p = plan_ring(TINY_K3, cards, memory=mem, model_path=str(ckpt), secret_file=None)
     topo = p.topology
     assert len(topo.active) == 3 and any(s.experts for s in topo.active)  # a layer split by experts
@@ -176,8 +206,25 @@ def test_cli_plan_refusal_is_one_line_and_topology_check_names_every_problem(tmp
     assert len(err) == 1 and "short by" in err[0] and "more cards of kind 'rtx5090'" in err[0]
     nodes.write_text('[[nodes]]\nname = "g"\ncount = 3\ngpu_memory_gb = 1.0\nmemory_bandwidth_gbs = 100\n')
     out = tmp_path / "t.toml"
-    r = _cli("plan", "--model", "tiny-k3", "--hosts", str(nodes), "--out", str(out), "--sessions", "2",
-             "--context", "256", "--prefill-chunk", "64", "--overhead-gb", "0", "--formats", "non-experts=mxfp8")
+    r = _cli(
+        "plan",
+        "--model",
+        "tiny-k3",
+        "--hosts",
+        str(nodes),
+        "--out",
+        str(out),
+        "--sessions",
+        "2",
+        "--context",
+        "256",
+        "--prefill-chunk",
+        "64",
+        "--overhead-gb",
+        "0",
+        "--formats",
+        "non-experts=mxfp8",
+    )
     assert r.returncode == 0, r.stderr
     planned = Topology.load(out)
     assert planned.model.formats == parse_formats("non-experts=mxfp8")  # the plan writes its formats

@@ -8,6 +8,7 @@ as transformers renders it (sandbox, trim_blocks, lstrip_blocks), tokenized by t
 (special-token strings the template wrote become their ids), and transformers' own apply_chat_template
 where it is installed. The front ends run for real up to the model: the pipeline / ring / cluster they
 would talk to is replaced by a recorder of what they send (no daemons, no forward pass)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -68,7 +69,8 @@ def oracle(model: Path, messages: list[dict]) -> tuple[list[int], set[int]]:
     cfg = json.loads((model / "tokenizer_config.json").read_text())
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     text = env.from_string((model / "chat_template.jinja").read_text()).render(
-        messages=messages, add_generation_prompt=True, bos_token=cfg["bos_token"], eos_token=cfg["eos_token"])
+        messages=messages, add_generation_prompt=True, bos_token=cfg["bos_token"], eos_token=cfg["eos_token"]
+    )
     tok = Tokenizer.from_file(str(model / "tokenizer.json"))
     ids = tok.encode(text, add_special_tokens=False).ids
     assert text.count("<|im_end|>") == ids.count(tok.token_to_id("<|im_end|>")) > 0  # the template's specials
@@ -77,14 +79,22 @@ def oracle(model: Path, messages: list[dict]) -> tuple[list[int], set[int]]:
     except ImportError:
         pass
     else:
-        hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(model / "tokenizer.json"), bos_token=cfg["bos_token"],
-                                                  eos_token=cfg["eos_token"], chat_template=TEMPLATE)
+        hf = transformers.PreTrainedTokenizerFast(
+            tokenizer_file=str(model / "tokenizer.json"),
+            bos_token=cfg["bos_token"],
+            eos_token=cfg["eos_token"],
+            chat_template=TEMPLATE,
+        )
         assert hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False) == ids
     gen = json.loads((model / "generation_config.json").read_text())
     # generation_config's eos ids, the eos token, the end-of-turn token the template writes after an answer,
     # the stop_token_ids p2pk3's own tokenizer_config lists
-    stops = {*gen["eos_token_id"], tok.token_to_id(cfg["eos_token"]), tok.token_to_id("<|im_end|>"),
-             *cfg.get("stop_token_ids", [])}
+    stops = {
+        *gen["eos_token_id"],
+        tok.token_to_id(cfg["eos_token"]),
+        tok.token_to_id("<|im_end|>"),
+        *cfg.get("stop_token_ids", []),
+    }
     return ids, stops
 
 
@@ -206,9 +216,15 @@ def via_api(model, *flags):
 
     from p2pk3.api.app import ApiConfig, create_app
     from p2pk3.node.local import free_ports
+
     body = {"model": "m", "messages": [{"role": "user", "content": QUESTION}]}
-    names = {"--temperature": ("temperature", float), "--max-tokens": ("max_tokens", int),
-             "--top-p": ("top_p", float), "--top-k": ("top_k", int), "--seed": ("seed", int)}
+    names = {
+        "--temperature": ("temperature", float),
+        "--max-tokens": ("max_tokens", int),
+        "--top-p": ("top_p", float),
+        "--top-k": ("top_k", int),
+        "--seed": ("seed", int),
+    }
     for flag, value in zip(flags[::2], flags[1::2]):
         key, kind = names[flag]
         body[key] = kind(value)
@@ -224,12 +240,18 @@ def via_api(model, *flags):
                 return r.status, await r.json()
         finally:
             await runner.cleanup()
+
     status, doc = run(go())
     assert status == 200, doc
 
 
-FRONT_ENDS = {"generate": via_generate, "generate --nodes": via_generate_ring, "local --prompt": via_local_prompt,
-              "chat": via_chat_repl, "api": via_api}
+FRONT_ENDS = {
+    "generate": via_generate,
+    "generate --nodes": via_generate_ring,
+    "local --prompt": via_local_prompt,
+    "chat": via_chat_repl,
+    "api": via_api,
+}
 
 
 def ask_everywhere(rec, model, *flags):
@@ -258,8 +280,13 @@ def test_same_question_same_prompt_stops_and_defaults(rec, model):
 def test_what_the_user_sets_wins_everywhere_the_rest_stays_the_checkpoints(rec, model):
     got = ask_everywhere(rec, model, "--temperature", "0.3", "--max-tokens", "5", "--seed", "11")
     for name, (_, params) in got.items():
-        assert (params.temperature, params.top_p, params.top_k, params.max_tokens, params.seed) == \
-            (0.3, 0.9, 20, 5, 11), name
+        assert (params.temperature, params.top_p, params.top_k, params.max_tokens, params.seed) == (
+            0.3,
+            0.9,
+            20,
+            5,
+            11,
+        ), name
 
 
 def test_temperature_range_is_the_same_in_cli_and_api(rec, model):
@@ -301,8 +328,12 @@ def _builder(tmp_path, generation: dict | None, context_len=1 << 20) -> PromptBu
 def test_defaults_without_generation_config_and_with_max_length(tmp_path):
     b = _builder(tmp_path, None)
     p = b.question(QUESTION, SamplingOverrides())
-    assert (p.params.temperature, p.params.top_p, p.params.top_k, p.params.max_tokens) == \
-        (0.0, 1.0, 0, DEFAULT_MAX_TOKENS)
+    assert (p.params.temperature, p.params.top_p, p.params.top_k, p.params.max_tokens) == (
+        0.0,
+        1.0,
+        0,
+        DEFAULT_MAX_TOKENS,
+    )
     b = _builder(tmp_path, {"max_length": 40})  # counts the prompt too
     p = b.question(QUESTION, SamplingOverrides())
     assert p.params.max_tokens == 40 - len(p.ids)
@@ -315,15 +346,24 @@ def test_defaults_without_generation_config_and_with_max_length(tmp_path):
 
 
 def test_overrides_and_prompts_refused_with_the_field(tmp_path):
-    for kw, field in (({"temperature": 2.01}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": -1}, "top_k"),
-                      ({"max_tokens": -1}, "max_tokens"), ({"seed": -1}, "seed"), ({"speculate": "x"}, "speculate"),
-                      ({"draft_tokens": 0}, "draft_tokens")):
+    for kw, field in (
+        ({"temperature": 2.01}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"seed": -1}, "seed"),
+        ({"speculate": "x"}, "speculate"),
+        ({"draft_tokens": 0}, "draft_tokens"),
+    ):
         with pytest.raises(PromptError) as e:
             SamplingOverrides(**kw)
         assert e.value.field == field
     b = _builder(tmp_path, None)
-    for bad in (lambda: b.question("  ", SamplingOverrides()), lambda: b.text("", SamplingOverrides()),
-                lambda: b.tokens([b.tok.vocab_size], SamplingOverrides())):
+    for bad in (
+        lambda: b.question("  ", SamplingOverrides()),
+        lambda: b.text("", SamplingOverrides()),
+        lambda: b.tokens([b.tok.vocab_size], SamplingOverrides()),
+    ):
         with pytest.raises(PromptError) as e:
             bad()
         assert e.value.field == "prompt"
@@ -332,6 +372,7 @@ def test_overrides_and_prompts_refused_with_the_field(tmp_path):
 def test_tokenizer_chat_template_is_the_checkpoints(model):
     """`load_tokenizer(dir).apply_chat_template` (what tools use) renders the checkpoint's template too."""
     from p2pk3.tokenizer import load_tokenizer
+
     msgs = [{"role": "user", "content": QUESTION}]
     assert load_tokenizer(model).apply_chat_template(msgs) == oracle(model, msgs)[0]
 
@@ -339,15 +380,24 @@ def test_tokenizer_chat_template_is_the_checkpoints(model):
 def test_repl_keeps_the_users_settings_per_turn(rec, model):
     """/temp and /max change what the next turn is sampled with; the rest stays the checkpoint's."""
     from p2pk3.frontends.repl import run_chat
+
     out, err = io.StringIO(), io.StringIO()
-    rc = run_chat(lambda: asyncio.sleep(0, FakeClient(rec)), PromptBuilder.from_pretrained(model),
-                  stdin=io.StringIO(f"{QUESTION}\n/temp 1.5\n/max 3\nAgain?\n/stats\n"), out=out, err=err,
-                  interactive=False)
+    rc = run_chat(
+        lambda: asyncio.sleep(0, FakeClient(rec)),
+        PromptBuilder.from_pretrained(model),
+        stdin=io.StringIO(f"{QUESTION}\n/temp 1.5\n/max 3\nAgain?\n/stats\n"),
+        out=out,
+        err=err,
+        interactive=False,
+    )
     assert rc == 0, err.getvalue()
     (_, first), (ids, second) = rec.sent
     assert (first.temperature, first.max_tokens) == (0.7, 7)
     assert (second.temperature, second.max_tokens, second.top_p, second.top_k) == (1.5, 3, 0.9, 20)
     assert "temperature 1.5, top_k 20, top_p 0.9, max 3 tokens" in err.getvalue()
-    history = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": ""},
-               {"role": "user", "content": "Again?"}]
+    history = [
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": ""},
+        {"role": "user", "content": "Again?"},
+    ]
     assert ids == oracle(model, history)[0]

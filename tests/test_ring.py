@@ -2,6 +2,7 @@
 
 Daemons run in this process (one asyncio loop, real authenticated TCP over loopback, each stage in its
 own worker thread); one test starts real `p2pk3 node` processes through `p2pk3 score --nodes`."""
+
 from __future__ import annotations
 
 import asyncio
@@ -37,12 +38,29 @@ def topo_split(ckpt):
     """3 slots; layer 3's experts split over s1 and s2 (s1 runs its attention)."""
     ports = free_ports(3)
     E = TINY_K3.num_experts
-    d = {"cluster": {"name": "split"}, "model": {"path": str(ckpt)},
-         "slots": [{"id": "s0", "host": "127.0.0.1", "port": ports[0], "gpu_memory_gb": 2, "layers": [0, 2]},
-                   {"id": "s1", "host": "127.0.0.1", "port": ports[1], "gpu_memory_gb": 2, "layers": [3, 3],
-                    "experts": {"3": f"0-{E // 2 - 1}"}},
-                   {"id": "s2", "host": "127.0.0.1", "port": ports[2], "gpu_memory_gb": 2, "layers": [3, 5],
-                    "experts": {"3": f"{E // 2}-{E - 1}"}}]}
+    d = {
+        "cluster": {"name": "split"},
+        "model": {"path": str(ckpt)},
+        "slots": [
+            {"id": "s0", "host": "127.0.0.1", "port": ports[0], "gpu_memory_gb": 2, "layers": [0, 2]},
+            {
+                "id": "s1",
+                "host": "127.0.0.1",
+                "port": ports[1],
+                "gpu_memory_gb": 2,
+                "layers": [3, 3],
+                "experts": {"3": f"0-{E // 2 - 1}"},
+            },
+            {
+                "id": "s2",
+                "host": "127.0.0.1",
+                "port": ports[2],
+                "gpu_memory_gb": 2,
+                "layers": [3, 5],
+                "experts": {"3": f"{E // 2}-{E - 1}"},
+            },
+        ],
+    }
     return Topology.from_dict(d)
 
 
@@ -81,6 +99,7 @@ def test_concurrent_greedy_sessions_match_single_process(ckpt, reference, n):
 
     async def go():
         async with InProcessRing(topo, ckpt, prefill_chunk=8) as ring:
+
             async def one(i):
                 await asyncio.sleep(0.05 * i)  # started at different times
                 c = await ring.client()
@@ -88,6 +107,7 @@ def test_concurrent_greedy_sessions_match_single_process(ckpt, reference, n):
                     return (await c.generate(prompts[i], SamplingParams(max_tokens=lens[i]))).tokens
                 finally:
                     c.close()
+
             outs = await asyncio.gather(*(one(i) for i in range(8)))
             sessions = [len(d.runner.cache.sessions) for d in ring.daemons]
             await asyncio.sleep(0.3)  # frees travel the ring
@@ -122,22 +142,33 @@ def test_wrong_secret_bad_frames_and_unknown_session_leave_the_ring_serving(ckpt
             task = asyncio.create_task(c.generate(TOKS[:5], SamplingParams(max_tokens=4)))
             # 1. wrong secret: refused at the handshake
             with pytest.raises((AuthenticationError, ConnectionError, OSError)):
-                bad = await open_connection("127.0.0.1", ring.entry.port, b"not-the-cluster-secret-0123456789", "intruder")
+                bad = await open_connection(
+                    "127.0.0.1", ring.entry.port, b"not-the-cluster-secret-0123456789", "intruder"
+                )
                 await bad.send(Frame.make("ping", id=1, t_ns=0))
                 await bad.recv()
             # 2. a forward frame for an unknown session sent to the second stage
             s1 = ring.daemons[1]
             peer = await open_connection("127.0.0.1", s1.port, ring.secret, "peer")
             D = TINY_K3.hidden_size
-            f = forward_frame([Segment("ghost", 0, 5, 1)],
-                              np.zeros((1, D), np.float32), np.zeros((2, 1, D), np.float32), layer=3)
+            f = forward_frame(
+                [Segment("ghost", 0, 5, 1)], np.zeros((1, D), np.float32), np.zeros((2, 1, D), np.float32), layer=3
+            )
             await peer.send(f)
             # 2b. a well-formed frame whose hidden width is wrong for the model (fails inside the stage)
-            await peer.send(forward_frame([Segment("wide", 0, 0, 2)],
-                                          np.zeros((2, D + 3), np.float32), np.zeros((2, 2, D + 3), np.float32),
-                                          layer=3))
+            await peer.send(
+                forward_frame(
+                    [Segment("wide", 0, 0, 2)],
+                    np.zeros((2, D + 3), np.float32),
+                    np.zeros((2, 2, D + 3), np.float32),
+                    layer=3,
+                )
+            )
             # 3. garbage bytes (bad magic) and 4. an oversized length prefix on raw sockets
-            for payload in (b"GARBAGE!" * 8, b"P2K3\x01\x00" + (2**31).to_bytes(4, "little") + (2**62).to_bytes(8, "little")):
+            for payload in (
+                b"GARBAGE!" * 8,
+                b"P2K3\x01\x00" + (2**31).to_bytes(4, "little") + (2**62).to_bytes(8, "little"),
+            ):
                 r, w = await asyncio.open_connection("127.0.0.1", s1.port)
                 w.write(payload)
                 await w.drain()
@@ -147,8 +178,14 @@ def test_wrong_secret_bad_frames_and_unknown_session_leave_the_ring_serving(ckpt
                     pass
                 w.close()
             # 5. a malformed forward (prefix shape does not match its segments) on an authenticated connection
-            await peer.send(Frame.make("forward", [("prefix", np.zeros((3, D), np.float32))],
-                                       segments=[{"session": "x", "epoch": 0, "start_pos": 0, "n_tokens": 1}], layer=3))
+            await peer.send(
+                Frame.make(
+                    "forward",
+                    [("prefix", np.zeros((3, D), np.float32))],
+                    segments=[{"session": "x", "epoch": 0, "start_pos": 0, "n_tokens": 1}],
+                    layer=3,
+                )
+            )
             while True:  # the daemon answers with the reason, then closes the connection
                 fr = await asyncio.wait_for(peer.recv(), 5)
                 if fr.kind == "error":
@@ -206,9 +243,25 @@ def test_bad_request_is_answered_clearly(ckpt):
 @pytest.mark.slow
 def test_cli_score_through_local_ring_processes(ckpt, reference, tmp_path):
     toks = ",".join(map(str, TOKS[:10]))
-    out = subprocess.run([sys.executable, "-m", "p2pk3.cli", "score", "--model", str(ckpt), "--tokens", toks,
-                          "--nodes", "2", "--dump-logits", str(tmp_path / "l.npy")],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "p2pk3.cli",
+            "score",
+            "--model",
+            str(ckpt),
+            "--tokens",
+            toks,
+            "--nodes",
+            "2",
+            "--dump-logits",
+            str(tmp_path / "l.npy"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     got = np.load(tmp_path / "l.npy")
     want = reference.score(TOKS[:10]).numpy()
@@ -273,8 +326,9 @@ def test_long_prompt_is_prefilled_in_chunks_without_stalling_running_decodes(ckp
 
             ta = asyncio.create_task(ca.generate(TOKS[:4], SamplingParams(max_tokens=60), on_token=on_a))
             await first.wait()
-            tb = asyncio.create_task(cb.generate(long_prompt, SamplingParams(max_tokens=2),
-                                                 on_token=lambda t: events.append("b")))
+            tb = asyncio.create_task(
+                cb.generate(long_prompt, SamplingParams(max_tokens=2), on_token=lambda t: events.append("b"))
+            )
             await asyncio.gather(ta, tb)
             ca.close()
             cb.close()
@@ -288,13 +342,17 @@ def test_long_prompt_is_prefilled_in_chunks_without_stalling_running_decodes(ckp
 def test_state_a_stage_holds_for_no_live_session_is_freed(ckpt):
     """A session opened on a stage that the entry never knew (a hostile or stale forward at position 0)
     is freed by the entry's periodic `retain`; live sessions are kept."""
+
     async def go():
         async with InProcessRing(loopback_topology(ckpt, 2), ckpt, retain_every_s=0.5) as ring:
             s1 = ring.daemons[1]
             peer = await open_connection("127.0.0.1", s1.port, ring.secret, "peer")
             D = TINY_K3.hidden_size
-            await peer.send(forward_frame([Segment("orphan", 0, 0, 2)], np.zeros((2, D), np.float32),
-                                          np.zeros((1, 2, D), np.float32), layer=3))
+            await peer.send(
+                forward_frame(
+                    [Segment("orphan", 0, 0, 2)], np.zeros((2, D), np.float32), np.zeros((1, 2, D), np.float32), layer=3
+                )
+            )
             deadline = time.time() + 10
             while not s1.runner.cache.has("orphan") and time.time() < deadline:
                 await asyncio.sleep(0.05)

@@ -1,6 +1,7 @@
 """The entry's schedule (micro-batched decode, pipelined prefill) and the stage worker's choice of what to
 run next; through a real ring: tokens identical to one process under every schedule (greedy, seeded,
 speculating), with several units of one session and of the ring in flight."""
+
 from __future__ import annotations
 
 import asyncio
@@ -31,9 +32,16 @@ def _entry(**kw):
 
 def _answer(e: Entry, *works: Work, token: int = 7) -> None:
     """What the last stage would answer for units (in one result frame): a token per sampling segment."""
-    e.on_results([Result(s.session, s.epoch, s.start_pos + s.n_tokens, token) if s.sample is not None else
-                  Result(s.session, s.epoch, s.start_pos + s.n_tokens, skip=True)
-                  for w in works for s in w.segments], None)
+    e.on_results(
+        [
+            Result(s.session, s.epoch, s.start_pos + s.n_tokens, token)
+            if s.sample is not None
+            else Result(s.session, s.epoch, s.start_pos + s.n_tokens, skip=True)
+            for w in works
+            for s in w.segments
+        ],
+        None,
+    )
 
 
 def test_decode_micro_batches_are_balanced_and_leave_on_their_own():
@@ -134,14 +142,25 @@ class _Runner:
 
 
 def _unit(sid, pos, n, sample=True):
-    return Work([Segment(sid, 0, pos, n, SamplingParams() if sample else None)], tokens=torch.zeros(n, dtype=torch.long))
+    return Work(
+        [Segment(sid, 0, pos, n, SamplingParams() if sample else None)], tokens=torch.zeros(n, dtype=torch.long)
+    )
 
 
 def _worker(first=False, budget=64):
     async def nothing(*a):
         pass
-    return StageWorker(_Runner(), None, slot="s1", max_batch_tokens=budget, emit=nothing, report=nothing,
-                       pass_free=nothing, first=first)
+
+    return StageWorker(
+        _Runner(),
+        None,
+        slot="s1",
+        max_batch_tokens=budget,
+        emit=nothing,
+        report=nothing,
+        pass_free=nothing,
+        first=first,
+    )
 
 
 def test_worker_runs_decodes_first_with_one_prefill_unit_between_and_keeps_session_order():
@@ -169,11 +188,13 @@ def test_worker_runs_decodes_first_with_one_prefill_unit_between_and_keeps_sessi
         w3.put(d1)
         w3.put(d2)
         assert w3._take() == [d1] and w3._take() == [d2]
+
     asyncio.run(go())
 
 
 def test_stage_refuses_units_of_a_session_out_of_position_order(ckpt):
     from p2pk3.node.stage_runner import StageRunner
+
     pipe = Pipeline.load(ckpt, 1, max_sessions=4, max_tokens=512, block_size=8)
     stage = pipe.stages[0]
     r = StageRunner(stage, stage.new_cache(4, 512))
@@ -199,14 +220,20 @@ def test_tokens_equal_one_process_under_every_schedule(ckpt, reference, n, m, d)
     M micro-batches and D chunks of a prompt in flight, give the tokens of one process."""
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(2, 60))] for _ in range(9)]
-    params = [SamplingParams(max_tokens=rng.randrange(4, 14)) if i % 3 == 0 else
-              SamplingParams(temperature=1.1, top_p=0.9, seed=100 + i, max_tokens=rng.randrange(4, 14)) if i % 3 == 1
-              else SamplingParams(max_tokens=12, speculate="ngram", draft_tokens=3) for i in range(9)]
+    params = [
+        SamplingParams(max_tokens=rng.randrange(4, 14))
+        if i % 3 == 0
+        else SamplingParams(temperature=1.1, top_p=0.9, seed=100 + i, max_tokens=rng.randrange(4, 14))
+        if i % 3 == 1
+        else SamplingParams(max_tokens=12, speculate="ngram", draft_tokens=3)
+        for i in range(9)
+    ]
     want = [reference.generate([p], q)[0] for p, q in zip(prompts, params)]
     topo = topo_split(ckpt) if n == "split" else loopback_topology(ckpt, n)
 
     async def go():
         async with InProcessRing(topo, ckpt, prefill_chunk=8, micro_batches=m, prefill_depth=d) as ring:
+
             async def one(i):
                 await asyncio.sleep(0.02 * i)
                 c = await ring.client()
@@ -214,6 +241,7 @@ def test_tokens_equal_one_process_under_every_schedule(ckpt, reference, n, m, d)
                     return (await c.generate(prompts[i], params[i])).tokens
                 finally:
                     c.close()
+
             outs = await asyncio.gather(*(one(i) for i in range(9)))
             sched = ring.entry.entry.schedule_stats()
             for _ in range(30):  # frees travel the ring

@@ -1,6 +1,7 @@
 """The shipped models load through the real loader and still model held-out text as well as when they were
 exported: the embedded default `k3-docs` (tools/train_docs.py) and the previous `tiny-k3-pydoc`
 (tools/train_tiny.py), which ships beside it. Numbers in docs/quality.md."""
+
 from __future__ import annotations
 
 import json
@@ -43,20 +44,27 @@ def shipped(model_dir):
 
 def test_the_default_is_the_docs_model():
     from p2pk3.engine.reference import default_model_dir
+
     assert default_model_dir() == ASSETS / "k3-docs"
 
 
 def test_layout_and_size(model_dir):
     MODEL = model_dir
     files = {p.name for p in MODEL.iterdir()}
-    assert {"config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
-            "generation_config.json", "README.md"} <= files
+    assert {
+        "config.json",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "README.md",
+    } <= files
     index = json.loads((MODEL / "model.safetensors.index.json").read_text())
     text = [n for n in index["weight_map"] if not n.startswith(("vision_tower.", "mm_projector."))]
     assert text and all(n.startswith("language_model.") for n in text)
     assert any(n.endswith(".w1.weight_packed") for n in text)
     assert set(index["weight_map"].values()) <= files
-    assert sum(p.stat().st_size for p in MODEL.rglob("*") if p.is_file()) <= MAX_MIB[MODEL.name] * 2 ** 20
+    assert sum(p.stat().st_size for p in MODEL.rglob("*") if p.is_file()) <= MAX_MIB[MODEL.name] * 2**20
     cfg = K3Config.from_pretrained(MODEL)
     assert cfg.model_type == "kimi_k3" and cfg.quant is not None and cfg.attn_res_block_size
     assert cfg.layer_types[-2:] == ("mla", "mla") and cfg.layer_types[0] == "kda" and not cfg.is_moe_layer(0)
@@ -69,7 +77,10 @@ def test_tokenizer_round_trip(shipped):
     s = 'The "while" statement is used for repeated execution: while x < 10: x += 1  # ünïcödé 東京'
     assert tok.decode(tok.encode(s)) == s
     ids = tok.apply_chat_template([{"role": "user", "content": "Tell me about lists."}])
-    assert tok.decode(ids) == "<|im_user|>user<|im_middle|>Tell me about lists.<|im_end|><|im_assistant|>assistant<|im_middle|>"
+    assert (
+        tok.decode(ids)
+        == "<|im_user|>user<|im_middle|>Tell me about lists.<|im_end|><|im_assistant|>assistant<|im_middle|>"
+    )
 
 
 def test_heldout_perplexity(shipped, model_dir):
@@ -80,7 +91,7 @@ def test_heldout_perplexity(shipped, model_dir):
     ids = ids[: rec["num_tokens"]]
     assert len(ids) == rec["num_tokens"]
     T, W = rec["window"], rec["windows"]
-    x = torch.tensor([ids[w * T: w * T + T + 1] for w in range(W)])
+    x = torch.tensor([ids[w * T : w * T + T + 1] for w in range(W)])
     cache = stage.new_cache(max_sessions=W, max_tokens=W * T, block_size=T)
     spans = []
     for w in range(W):
@@ -110,7 +121,7 @@ def test_greedy_decode_matches_prefill(shipped):
         cache.open("b")
         full = prompt + out[:-1]
         lg_full = stage([Span("b", 0, len(full))], cache, tokens=torch.tensor(full), logits="all")
-    assert lg_full[len(prompt) - 1:].argmax(-1).tolist() == out
+    assert lg_full[len(prompt) - 1 :].argmax(-1).tolist() == out
     assert tok.decode(out).strip()  # says something
 
 

@@ -1,6 +1,7 @@
 """The simulator against hand-computed cases: one stream through a 2-stage ring (bytes / bandwidth +
 overhead + hops), the speculation width cost (distinct experts of (k+1) tokens), the tensor-parallel
 all-reduce price, processor sharing on a shared CPU, the profile file, and the CLI."""
+
 from __future__ import annotations
 
 import json
@@ -44,7 +45,7 @@ latency_us = {LAT}
 software_us = {SW}
 [tensor_parallel]
 allreduces_per_layer = 3
-{extra.get('more', '')}
+{extra.get("more", "")}
 """)
     return load_profile(p)
 
@@ -66,7 +67,11 @@ def hand_bytes(cfg, layers, head, context):
             continue
         n += math.prod(s.shape) * s.dtype.itemsize
     for l in layers:
-        n += 2 * kda_state_bytes(cfg) if cfg.layer_types[l] == "kda" else context * 576 * 2 * 0 + context * cfg.mla_cache_width * 2
+        n += (
+            2 * kda_state_bytes(cfg)
+            if cfg.layer_types[l] == "kda"
+            else context * 576 * 2 * 0 + context * cfg.mla_cache_width * 2
+        )
     return n
 
 
@@ -87,7 +92,7 @@ def test_one_stream_time_per_token_is_bytes_over_bandwidth_plus_overhead_plus_ho
 def test_speculation_width_cost_counts_distinct_experts(tmp_path):
     assert expected_distinct(896, 16, 1) == pytest.approx(16)
     assert expected_distinct(896, 16, 5) == pytest.approx(896 * (1 - (1 - 16 / 896) ** 5))
-    assert expected_distinct(896, 16, 10 ** 6) == pytest.approx(896)
+    assert expected_distinct(896, 16, 10**6) == pytest.approx(896)
     assert spec_width(2.0, None) == (2.0, 3) and spec_width(3.0, None) == (3.0, 5) and spec_width(1.5, None) == (1.5, 2)
     with pytest.raises(ValueError):
         spec_width(3.0, 1)
@@ -162,9 +167,18 @@ def test_continuous_batching_and_processor_sharing(tmp_path):
 
 def test_default_profile_has_a_source_for_every_assumption():
     hw = load_profile()
-    for key in ("efficiency.bf16", "efficiency.mxfp8", "efficiency.mxfp4", "efficiency.state", "stage.overhead_us",
-                "hop.link_gbps", "hop.latency_us", "hop.software_us", "speculation.k_rule",
-                "tensor_parallel.allreduces_per_layer"):
+    for key in (
+        "efficiency.bf16",
+        "efficiency.mxfp8",
+        "efficiency.mxfp4",
+        "efficiency.state",
+        "stage.overhead_us",
+        "hop.link_gbps",
+        "hop.latency_us",
+        "hop.software_us",
+        "speculation.k_rule",
+        "tensor_parallel.allreduces_per_layer",
+    ):
         assert hw.get(key) is not None and hw.source(key), key
     for g in ("rtx5090", "rtx4090", "rtx3090"):
         assert hw.get(f"gpus.{g}.source")
@@ -177,14 +191,48 @@ def test_cli_simulate_json_and_errors(tmp_path):
     topo = tmp_path / "t.toml"
     even_split(TINY_K3, 2, preset="tiny-k3").dump(topo)
     hw = flat_profile(tmp_path)
-    r = subprocess.run([sys.executable, "-m", "p2pk3.cli", "simulate", "--topology", str(topo), "--hardware", hw.path,
-                        "--streams", "1,4", "--json", "--prompt", "8", "--new-tokens", "10"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "p2pk3.cli",
+            "simulate",
+            "--topology",
+            str(topo),
+            "--hardware",
+            hw.path,
+            "--streams",
+            "1,4",
+            "--json",
+            "--prompt",
+            "8",
+            "--new-tokens",
+            "10",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
-    assert [x["streams"] for x in d["results"]] == [1, 4] and d["results"][1]["aggregate_tps"] > d["results"][0]["aggregate_tps"]
-    r = subprocess.run([sys.executable, "-m", "p2pk3.cli", "simulate", "--topology", str(topo), "--hardware",
-                        str(tmp_path / "none.toml")], capture_output=True, text=True, timeout=120)
+    assert [x["streams"] for x in d["results"]] == [1, 4] and d["results"][1]["aggregate_tps"] > d["results"][0][
+        "aggregate_tps"
+    ]
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "p2pk3.cli",
+            "simulate",
+            "--topology",
+            str(topo),
+            "--hardware",
+            str(tmp_path / "none.toml"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 1 and "no such hardware profile" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -246,4 +294,5 @@ def test_default_schedule_is_the_daemons_micro_batches_and_pipelined_prefill(tmp
     assert r.meta["micro_batches"] == 4 and r.meta["prefill_depth"] == 4
     from p2pk3.node.entry import PREFILL_SHARE
     from p2pk3.sim.events import PREFILL_SHARE as SIM_SHARE
+
     assert SIM_SHARE == PREFILL_SHARE  # the simulator cuts prefill units as the entry does

@@ -7,6 +7,7 @@
   started from that file load every non-expert matrix as MXFP8, and the memory they report (status
   `memory.weights` / `memory.cache`) is the planner's table, byte for byte.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -54,8 +55,10 @@ def test_cache_estimate_is_the_allocation_for_every_preset_and_dtype(name, dtype
         assert mla_cache_bytes(cfg, sessions, context, dtype) == per_mla, (name, sessions, context)
         # and the rows of the estimate for a slot holding the whole model add up to the allocation
         slot = Slot("all", (0, cfg.num_hidden_layers - 1))
-        rows = {item: b for item, _, b in runtime_items(cfg, slot_plan(cfg, [slot], slot),
-                                                         MemorySpec(sessions, context), dtype)}
+        rows = {
+            item: b
+            for item, _, b in runtime_items(cfg, slot_plan(cfg, [slot], slot), MemorySpec(sessions, context), dtype)
+        }
         assert rows["KDA state"] + rows["MLA latent cache"] == total
 
 
@@ -114,6 +117,7 @@ def test_planned_formats_reach_the_nodes_and_their_memory_is_the_table(ckpt):
 
 def test_node_cache_sizes_come_from_the_memory_table_only_where_the_file_has_one():
     from p2pk3.node.options import DEFAULT_CACHE_TOKENS, DEFAULT_SESSIONS
+
     bare = Topology.loads('[cluster]\nname = "t"\n[model]\npreset = "tiny-k3"\n[[slots]]\nid = "a"\n')
     assert not bare.memory.given and "memory" not in bare.dump()
     o = NodeOptions().sized_by(bare.memory)

@@ -12,6 +12,7 @@ shipped weights), run
 and commit the new JSON together with the change that explains it (the test then reports "updated" and
 passes). Never regenerate to silence a failure you cannot explain.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -30,19 +31,21 @@ MODEL = ROOT / "p2pk3" / "assets" / "tiny-k3-pydoc"
 SNAPSHOT = Path(__file__).resolve().parent / "data" / "tiny_k3_pydoc_nll.json"
 UPDATE = os.environ.get("P2PK3_UPDATE_SNAPSHOT") == "1"
 TOL = 1e-4  # absolute, per token, fp32
-PROMPT = ('The "with" statement is used to wrap the execution of a block with methods defined by a context '
-          'manager. This allows common try...except...finally usage patterns to be encapsulated.')
+PROMPT = (
+    'The "with" statement is used to wrap the execution of a block with methods defined by a context '
+    "manager. This allows common try...except...finally usage patterns to be encapsulated."
+)
 
 pytestmark = pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="shipped model not present")
 
 
 def weight_hashes() -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(MODEL.glob("*.safetensors"))}
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(MODEL.glob("*.safetensors"))}
 
 
 def prompt_ids() -> list[int]:
     from p2pk3.tokenizer import load_tokenizer
+
     tok = load_tokenizer(MODEL)
     return [tok.bos_id] + tok.encode(PROMPT)
 
@@ -66,9 +69,16 @@ def snapshot(torch_kernels):
         ids = prompt_ids()
         pipe = Pipeline.load(MODEL, 1, max_sessions=2, max_tokens=512, block_size=16)
         nll = per_token_nll(pipe.score(ids), ids)
-        rec = {"model": "p2pk3/assets/tiny-k3-pydoc", "prompt": PROMPT, "tokens": ids, "dtype": "float32",
-               "kernels": "torch", "weights_sha256": weight_hashes(), "nll": [round(x, 7) for x in nll],
-               "mean_nll": round(sum(nll) / len(nll), 7)}
+        rec = {
+            "model": "p2pk3/assets/tiny-k3-pydoc",
+            "prompt": PROMPT,
+            "tokens": ids,
+            "dtype": "float32",
+            "kernels": "torch",
+            "weights_sha256": weight_hashes(),
+            "nll": [round(x, 7) for x in nll],
+            "mean_nll": round(sum(nll) / len(nll), 7),
+        }
         SNAPSHOT.parent.mkdir(parents=True, exist_ok=True)
         SNAPSHOT.write_text(json.dumps(rec, indent=1) + "\n")
     return json.loads(SNAPSHOT.read_text())
@@ -83,12 +93,14 @@ def _check(nll: list[float], rec: dict, what: str) -> None:
         f"{what}: per-token NLL differs from the snapshot by {diff[worst]:.3g} at position {worst + 1} "
         f"(token {rec['tokens'][worst + 1]}): {nll[worst]:.6f} vs {want[worst]:.6f}; mean NLL "
         f"{sum(nll) / len(nll):.6f} vs {rec['mean_nll']:.6f}. The model math changed; if deliberately, "
-        f"regenerate with P2PK3_UPDATE_SNAPSHOT=1 (see the module docstring).")
+        f"regenerate with P2PK3_UPDATE_SNAPSHOT=1 (see the module docstring)."
+    )
 
 
 def test_snapshot_is_of_the_shipped_weights(snapshot):
     assert snapshot["weights_sha256"] == weight_hashes(), (
-        "the shipped weights changed since the snapshot was taken: regenerate it (P2PK3_UPDATE_SNAPSHOT=1)")
+        "the shipped weights changed since the snapshot was taken: regenerate it (P2PK3_UPDATE_SNAPSHOT=1)"
+    )
     assert len(snapshot["tokens"]) >= 30 and len(snapshot["nll"]) == len(snapshot["tokens"]) - 1
 
 

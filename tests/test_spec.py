@@ -5,6 +5,7 @@ Greedy and seeded output with speculation must be token-for-token that of plain 
 An "oracle" proposer (it knows the plain output and corrupts it on a schedule) makes every case happen:
 full acceptance, a rejection at each depth, no draft right after accepted drafts, a stop id inside an
 accepted run; ngram / suffix proposers run on real text."""
+
 from __future__ import annotations
 
 import asyncio
@@ -41,21 +42,21 @@ class Oracle:
         self.want, self.vocab, self.calls = want, vocab, 0
 
     def propose(self, history, k):
-        found = [(p, o) for p, o in self.want.items() if tuple(history[:len(p)]) == p]
+        found = [(p, o) for p, o in self.want.items() if tuple(history[: len(p)]) == p]
         if not found:
             return []
         prompt, out = found[0]
         g = len(history) - len(prompt)
-        if list(history[len(prompt):]) != out[:g]:  # left the plain output (a bug the test then reports)
+        if list(history[len(prompt) :]) != out[:g]:  # left the plain output (a bug the test then reports)
             return []
-        true = out[g:g + k]
+        true = out[g : g + k]
         mode = self.MODES[self.calls % len(self.MODES)]
         self.calls += 1
         if mode == "none" or not true:
             return []
         if mode.startswith("cut"):
             j = int(mode[3:]) % len(true)
-            true = true[:j] + [(true[j] + 1) % self.vocab] + true[j + 1:]
+            true = true[:j] + [(true[j] + 1) % self.vocab] + true[j + 1 :]
         return true
 
 
@@ -75,10 +76,13 @@ def tiny(ckpt):
 
 def emb_prompts():
     from p2pk3.tokenizer import load_tokenizer
+
     tok = load_tokenizer(EMBEDDED)
-    texts = ["The with statement is used to wrap the execution of a block with methods defined by a context manager.",
-             "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return",
-             "What does the with statement do?"]
+    texts = [
+        "The with statement is used to wrap the execution of a block with methods defined by a context manager.",
+        "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return",
+        "What does the with statement do?",
+    ]
     return [tok.encode(t) for t in texts]
 
 
@@ -143,9 +147,9 @@ def test_verify_accepts_exactly_what_plain_sampling_draws(temperature):
         cut = trial % (k + 1)  # drafts agree with plain sampling up to `cut`
         draft = plain[:k]
         if cut < k:
-            draft = draft[:cut] + [(draft[cut] + 1) % 64] + draft[cut + 1:]
+            draft = draft[:cut] + [(draft[cut] + 1) % 64] + draft[cut + 1 :]
         acc, tok = verify_draft(logits, draft, params, 40)
-        assert acc == plain[:min(cut, k)] and tok == plain[len(acc)]
+        assert acc == plain[: min(cut, k)] and tok == plain[len(acc)]
 
 
 def test_segment_and_result_carry_drafts():
@@ -219,8 +223,12 @@ def test_rollback_leaves_no_trace_of_rejected_drafts(which, request):
         pipe.forward([Span("B", p, 2)], torch.tensor([30, 31]), logits="all")
         a, b = _snapshot(pipe, "A"), _snapshot(pipe, "B")
         assert _rel(a, b) < 1e-5
-        kda_off = max(float((x[k] - y[k]).abs().max() / y[k].abs().max())
-                      for x, y in zip(unrolled, b) for k in x if k.startswith("kda"))
+        kda_off = max(
+            float((x[k] - y[k]).abs().max() / y[k].abs().max())
+            for x, y in zip(unrolled, b)
+            for k in x
+            if k.startswith("kda")
+        )
         assert kda_off > 1e-2  # what the rollback removed is far above the tolerance
         la = pipe.forward([Span("A", p + 2, 3)], torch.tensor([40, 41, 42]), logits="all")
         lb = pipe.forward([Span("B", p + 2, 3)], torch.tensor([40, 41, 42]), logits="all")
@@ -260,6 +268,7 @@ def test_stage_runner_rolls_back_when_a_segment_starts_below_the_held_length(ckp
     """The rollback point travels with the next segment; a stale start without a checkpoint is refused."""
     from p2pk3.checkpoint.stage import load_stage
     from p2pk3.model.stage import StagePlan
+
     cfg = K3Config.from_pretrained(ckpt)
     stage = load_stage(ckpt, StagePlan.whole(cfg), cfg=cfg)
     ra, rb = StageRunner(stage, stage.new_cache(4, 512, 8)), StageRunner(stage, stage.new_cache(4, 512, 8))
@@ -305,13 +314,17 @@ def test_pipeline_greedy_speculation_equals_plain_for_every_k(which, request):
     stop = want[0][5]
     sp = SamplingParams(max_tokens=24, stop_ids=(stop,))
     want_stop = pipe.generate(prompts, sp)
-    assert want_stop[0] == want[0][:want[0].index(stop) + 1]
+    assert want_stop[0] == want[0][: want[0].index(stop) + 1]
     full = {tuple(p): w for p, w in zip(prompts, want)}
 
     class Full(Oracle):
         MODES = ("full",)
-    got = pipe.generate(prompts, SamplingParams(max_tokens=24, stop_ids=(stop,), speculate="ngram", draft_tokens=8),
-                        proposers={"ngram": lambda: Full(full, V)})
+
+    got = pipe.generate(
+        prompts,
+        SamplingParams(max_tokens=24, stop_ids=(stop,), speculate="ngram", draft_tokens=8),
+        proposers={"ngram": lambda: Full(full, V)},
+    )
     assert got == want_stop
 
 
@@ -338,6 +351,7 @@ def test_entry_truncates_an_accepted_run_at_max_tokens_and_stop_ids():
     class Fixed:
         def propose(self, history, k):
             return [100 + i for i in range(k)]
+
     e.proposer_factories["ngram"] = Fixed
     s = e.submit([1, 2, 3], SamplingParams(max_tokens=6, stop_ids=(0,), speculate="ngram", draft_tokens=8))
     e.on_results([Result(s.id, 0, 3, 50)], None)  # the prefill's token
@@ -375,6 +389,7 @@ def _run(coro):
 
 async def _gen_all(ring, prompts, params, delay=0.03, on_token=None):
     await ring.wait_healthy()
+
     async def one(i):
         await asyncio.sleep(delay * i)
         c = await ring.client()
@@ -382,6 +397,7 @@ async def _gen_all(ring, prompts, params, delay=0.03, on_token=None):
             return await c.generate(prompts[i], params[i], on_token=on_token(i) if on_token else None)
         finally:
             c.close()
+
     return await asyncio.gather(*(one(i) for i in range(len(prompts))))
 
 
@@ -408,12 +424,17 @@ def test_ring_greedy_speculation_equals_plain_embedded(emb):
             entry = ring.entry.entry
             entry.draft_policy = "fixed"
             entry.proposer_factories["suffix"] = oracle_factory(oracle, V)  # "suffix" = the oracle here
-            ps = [SamplingParams(max_tokens=20, speculate="ngram", draft_tokens=4),  # real prompt lookup
-                  SamplingParams(max_tokens=20, stop_ids=(stop,), speculate="suffix", draft_tokens=8),
-                  SamplingParams(max_tokens=20),  # plain, in the same batches
-                  SamplingParams(max_tokens=20, speculate="suffix", draft_tokens=3)]
-            outs = await _gen_all(ring, [prompts[0], prompts[1], prompts[2], prompts[2], prompts[0]], ps + [SamplingParams(max_tokens=20, speculate="suffix",
-                                                                                      draft_tokens=6)])
+            ps = [
+                SamplingParams(max_tokens=20, speculate="ngram", draft_tokens=4),  # real prompt lookup
+                SamplingParams(max_tokens=20, stop_ids=(stop,), speculate="suffix", draft_tokens=8),
+                SamplingParams(max_tokens=20),  # plain, in the same batches
+                SamplingParams(max_tokens=20, speculate="suffix", draft_tokens=3),
+            ]
+            outs = await _gen_all(
+                ring,
+                [prompts[0], prompts[1], prompts[2], prompts[2], prompts[0]],
+                ps + [SamplingParams(max_tokens=20, speculate="suffix", draft_tokens=6)],
+            )
             c = await ring.client()
             st = await c.status()
             c.close()
@@ -446,9 +467,18 @@ def test_ring_every_k_mixed_batches_and_seeded_sampling_tiny(tiny, ckpt):
             ps = [SamplingParams(max_tokens=16, speculate="ngram", draft_tokens=k) for k in range(1, 9)]
             ps.insert(3, SamplingParams(max_tokens=16))  # a plain session among them
             outs = await _gen_all(ring, prompts[:3] + [prompts[3]] + prompts[3:], ps)
-            seeded = await _gen_all(ring, prompts[:2], [
-                SamplingParams(temperature=1.2, top_k=50, seed=4321, max_tokens=16, speculate="suffix", draft_tokens=5),
-                SamplingParams(temperature=1.2, top_k=50, seed=4321, max_tokens=16, speculate="suffix", draft_tokens=2)])
+            seeded = await _gen_all(
+                ring,
+                prompts[:2],
+                [
+                    SamplingParams(
+                        temperature=1.2, top_k=50, seed=4321, max_tokens=16, speculate="suffix", draft_tokens=5
+                    ),
+                    SamplingParams(
+                        temperature=1.2, top_k=50, seed=4321, max_tokens=16, speculate="suffix", draft_tokens=2
+                    ),
+                ],
+            )
             widths = {}
             for d in ring.daemons:
                 for w, n in d.runner.spec_stats()["verify_segments_by_width"].items():
@@ -484,13 +514,15 @@ def test_ring_replay_and_cancel_mid_verification(tiny, ckpt):
                     if i == 0 and counts[0] >= 8 and not replayed:
                         replayed.append(entry.replay_all())
                         entry.kick()
+
                 return f
 
             ps = [SamplingParams(max_tokens=30, speculate="ngram", draft_tokens=4)] * 4
             await ring.wait_healthy()
             victim_client = await ring.client()
-            victim = asyncio.create_task(victim_client.generate(prompts[3], SamplingParams(
-                max_tokens=200, speculate="ngram", draft_tokens=6)))
+            victim = asyncio.create_task(
+                victim_client.generate(prompts[3], SamplingParams(max_tokens=200, speculate="ngram", draft_tokens=6))
+            )
             outs = await _gen_all(ring, prompts[:3], ps[:3], on_token=on_token)
             victim.cancel()
             try:

@@ -1,5 +1,6 @@
 """`p2pk3 systemd`: the units pass `systemd-analyze verify`, and the node unit's ExecStart (with %i and the
 slot's env file substituted) really starts a node that stops cleanly on SIGTERM."""
+
 from __future__ import annotations
 
 import os
@@ -27,10 +28,12 @@ def rack(tmp_path):
     port, spare_port, bport = free_ports(3)
     (tmp_path / "secret").write_text("q" * 32)
     t = tmp_path / "topo.toml"
-    t.write_text(f'[cluster]\nname = "rack"\nsecret_file = "secret"\nbeacon_port = {bport}\n'
-                 f'beacon_addrs = ["127.255.255.255"]\n[model]\npath = "{model}"\n'
-                 f'[[slots]]\nid = "s0"\nhost = "127.0.0.1"\nport = {port}\ngpu_memory_gb = 2\nlayers = [0, 5]\n'
-                 f'[[slots]]\nid = "spare"\nhost = "127.0.0.1"\nport = {spare_port}\ngpu_memory_gb = 2\nstandby = true\n')
+    t.write_text(
+        f'[cluster]\nname = "rack"\nsecret_file = "secret"\nbeacon_port = {bport}\n'
+        f'beacon_addrs = ["127.255.255.255"]\n[model]\npath = "{model}"\n'
+        f'[[slots]]\nid = "s0"\nhost = "127.0.0.1"\nport = {port}\ngpu_memory_gb = 2\nlayers = [0, 5]\n'
+        f'[[slots]]\nid = "spare"\nhost = "127.0.0.1"\nport = {spare_port}\ngpu_memory_gb = 2\nstandby = true\n'
+    )
     out = tmp_path / "units"
     r = CliRunner().invoke(main, ["systemd", "--topology", str(t), "--out", str(out), "--user", "root"])
     assert r.exit_code == 0, r.output
@@ -40,12 +43,21 @@ def rack(tmp_path):
 def test_files_and_commands(rack):
     t, out, text = rack
     node = (out / "p2pk3-node@.service").read_text()
-    for line in ["EnvironmentFile=/etc/p2pk3/%i.env", "Restart=on-failure", "RestartSec=5s",
-                 "After=network-online.target", "Wants=network-online.target", "LimitMEMLOCK=infinity",
-                 "LimitNOFILE=1048576", "TimeoutStopSec=60s", "StandardOutput=journal", "User=root"]:
+    for line in [
+        "EnvironmentFile=/etc/p2pk3/%i.env",
+        "Restart=on-failure",
+        "RestartSec=5s",
+        "After=network-online.target",
+        "Wants=network-online.target",
+        "LimitMEMLOCK=infinity",
+        "LimitNOFILE=1048576",
+        "TimeoutStopSec=60s",
+        "StandardOutput=journal",
+        "User=root",
+    ]:
         assert line in node.splitlines()
     v = local_systemd_version()
-    assert (("RestartSteps=8" in node.splitlines()) == ((v or BACKOFF_SYSTEMD) >= BACKOFF_SYSTEMD))
+    assert ("RestartSteps=8" in node.splitlines()) == ((v or BACKOFF_SYSTEMD) >= BACKOFF_SYSTEMD)
     assert f"--topology {t.resolve()}" in node and "--slot %i $P2PK3_NODE_ARGS" in node
     assert "p2pk3 serve --topology" in (out / "p2pk3-api.service").read_text().replace(".cli serve", " serve")
     assert "P2PK3_NODE_ARGS=--standby" in (out / "env" / "spare.env").read_text()
@@ -79,7 +91,7 @@ def test_systemd_analyze_verify(rack, tmp_path):
 
 
 def _exec_start(unit: str, slot: str, env: dict[str, str]) -> list[str]:
-    line = next(l for l in unit.splitlines() if l.startswith("ExecStart="))[len("ExecStart="):]
+    line = next(l for l in unit.splitlines() if l.startswith("ExecStart="))[len("ExecStart=") :]
     line = line.replace("%i", slot)
     line = re.sub(r"\$(\w+)", lambda m: env.get(m.group(1), ""), line)  # systemd: $VAR splits into words
     return shlex.split(line)
@@ -98,8 +110,12 @@ def test_the_node_units_exec_start_runs_and_stops_on_sigterm(rack, tmp_path):
     assert Path(cmd[0]).is_absolute()
     log = tmp_path / "node.log"
     with open(log, "w") as f:
-        p = subprocess.Popen(cmd + ["--device", "cpu"], stdout=f, stderr=subprocess.STDOUT,
-                             env={**os.environ, **env, "CUDA_VISIBLE_DEVICES": ""})
+        p = subprocess.Popen(
+            cmd + ["--device", "cpu"],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **env, "CUDA_VISIBLE_DEVICES": ""},
+        )
     try:
         deadline = time.monotonic() + 90
         while "slot s0 up on" not in log.read_text():

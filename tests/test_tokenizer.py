@@ -1,4 +1,5 @@
 """p2pk3.tokenizer: byte-level BPE in both formats (HF tokenizer.json, Kimi tiktoken.model) and the chat template."""
+
 from __future__ import annotations
 
 import base64
@@ -12,19 +13,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from p2pk3.tokenizer import load_tokenizer  # noqa: E402
 from p2pk3.tokenizer.bpe import (  # noqa: E402
-    CHAT_TEMPLATE, NUM_SPECIAL, SPECIAL_OFFSETS, hf_to_tiktoken_ranks, save_hf, special_tokens, train_bpe,
+    CHAT_TEMPLATE,
+    NUM_SPECIAL,
+    SPECIAL_OFFSETS,
+    hf_to_tiktoken_ranks,
+    save_hf,
+    special_tokens,
+    train_bpe,
     write_tiktoken,
 )
 
 CORPUS = [
-    "The \"assert\" statement\n**********************\n\nAssert statements are a convenient way to insert "
-    "debugging assertions into a program:\n\n   assert_stmt ::= \"assert\" expression [\",\" expression]\n",
-    "The simple form, \"assert expression\", is equivalent to\n\n   if __debug__:\n       if not expression: "
-    "raise AssertionError\n\nThese equivalences assume that \"__debug__\" and \"AssertionError\" refer to the "
+    'The "assert" statement\n**********************\n\nAssert statements are a convenient way to insert '
+    'debugging assertions into a program:\n\n   assert_stmt ::= "assert" expression ["," expression]\n',
+    'The simple form, "assert expression", is equivalent to\n\n   if __debug__:\n       if not expression: '
+    'raise AssertionError\n\nThese equivalences assume that "__debug__" and "AssertionError" refer to the '
     "built-in variables with those names. It's 2024 and they're 12345 numbers.\n",
 ] * 20
 SAMPLES = [
-    "assert x, \"message\"\n",
+    'assert x, "message"\n',
     "Hello, world! It's 12345678 o'clock.\n\n\tTabs and   spaces  ",
     "naïve café — 東京 你好世界 🙂 \x00\x7f",
     "",
@@ -91,11 +98,13 @@ def test_special_strings_in_text(tok):
 
 def test_chat_template(tok):
     text = tok.apply_chat_template(MESSAGES, tokenize=False)
-    assert text == ("<|im_system|>system<|im_middle|>Be brief.<|im_end|>"
-                    "<|im_user|>user<|im_middle|>What is assert?<|im_end|>"
-                    "<|im_assistant|>assistant<|im_middle|>A statement.<|im_end|>"
-                    "<|im_user|>user<|im_middle|>And <|im_end|> inside text?<|im_end|>"
-                    "<|im_assistant|>assistant<|im_middle|>")
+    assert text == (
+        "<|im_system|>system<|im_middle|>Be brief.<|im_end|>"
+        "<|im_user|>user<|im_middle|>What is assert?<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|>A statement.<|im_end|>"
+        "<|im_user|>user<|im_middle|>And <|im_end|> inside text?<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|>"
+    )
     ids = tok.apply_chat_template(MESSAGES)
     assert tok.decode(ids) == text
     sp = tok.special
@@ -131,13 +140,17 @@ def test_tiktoken_from_scratch(tmp_path):
     for m in (b"th", b"the", b" the"):
         ranks[m] = len(ranks)
     n_base = len(ranks)
-    (tmp_path / "tiktoken.model").write_text(
-        "".join(f"{base64.b64encode(b).decode()} {r}\n" for b, r in ranks.items()))
-    cfg = {"bos_token": "[BOS]", "eos_token": "[EOS]",
-           "added_tokens_decoder": {str(n_base): {"content": "[BOS]", "special": True},
-                                    str(n_base + 1): {"content": "[EOS]", "special": True},
-                                    str(n_base + 2): {"content": "<|im_end|>", "special": True},
-                                    str(n_base + 7): {"content": "<|im_middle|>", "special": True}}}
+    (tmp_path / "tiktoken.model").write_text("".join(f"{base64.b64encode(b).decode()} {r}\n" for b, r in ranks.items()))
+    cfg = {
+        "bos_token": "[BOS]",
+        "eos_token": "[EOS]",
+        "added_tokens_decoder": {
+            str(n_base): {"content": "[BOS]", "special": True},
+            str(n_base + 1): {"content": "[EOS]", "special": True},
+            str(n_base + 2): {"content": "<|im_end|>", "special": True},
+            str(n_base + 7): {"content": "<|im_middle|>", "special": True},
+        },
+    }
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
     t = load_tokenizer(tmp_path)
     assert t.backend == "tiktoken"
@@ -230,8 +243,9 @@ def test_stream_decoder_context_dependent_decoder(tmp_path):
     for b in range(256):
         vocab[f"<0x{b:02X}>"] = len(vocab)
     tk = HFTok(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
-    tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                    decoders.Strip(" ", 1, 0)])
+    tk.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     tk.save(str(tmp_path / "tokenizer.json"))
     t = load_tokenizer(tmp_path)
     ids = [1, 2, 4] + [vocab[f"<0x{b:02X}>"] for b in "🙂".encode()] + [3, 2]

@@ -1,4 +1,5 @@
 """Topology file: parsing, TOML writing, validation errors, splits, slot plans, memory estimates."""
+
 from __future__ import annotations
 
 import copy
@@ -14,8 +15,20 @@ from p2pk3.model.split import even_layer_ranges
 from p2pk3.model.weights import embed_tensors, head_tensors, layer_tensors
 from p2pk3.plan import balanced_split
 from p2pk3.topology import (
-    ClusterSpec, GiB, MemorySpec, ModelSpec, Slot, Topology, TopologyError, estimate_slot_bytes, even_split,
-    format_ranges, parse_ranges, slot_plan, slot_tensors, weight_bytes,
+    ClusterSpec,
+    GiB,
+    MemorySpec,
+    ModelSpec,
+    Slot,
+    Topology,
+    TopologyError,
+    estimate_slot_bytes,
+    even_split,
+    format_ranges,
+    parse_ranges,
+    slot_plan,
+    slot_tensors,
+    weight_bytes,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,10 +120,13 @@ def test_dump_round_trip():
     full = Topology(
         ClusterSpec('lab "A"\\x', "keys/c.key", 47001, ["10.0.0.255", "127.255.255.255"]),
         ModelSpec(repo="moonshotai/Kimi-K3", revision="v1.0", preset="kimi-k3"),
-        [Slot("gpu.0", (0, 1), 31.5, "10.0.0.5", 47920, {1: (0, 1, 2, 7)}),
-         Slot("gpu_1", (1, 5), 24, None, None, {1: tuple(range(3, 7)) + (8,)}),
-         Slot("spare-0", None, 0.25, "::1", 65535, standby=True)],
-        MemorySpec(sessions=2, context=100, prefill_chunk=0, overhead_gb=1.5))
+        [
+            Slot("gpu.0", (0, 1), 31.5, "10.0.0.5", 47920, {1: (0, 1, 2, 7)}),
+            Slot("gpu_1", (1, 5), 24, None, None, {1: tuple(range(3, 7)) + (8,)}),
+            Slot("spare-0", None, 0.25, "::1", 65535, standby=True),
+        ],
+        MemorySpec(sessions=2, context=100, prefill_chunk=0, overhead_gb=1.5),
+    )
     text = full.dump()
     back = Topology.loads(text)
     assert (back.cluster, back.model, back.memory) == (full.cluster, full.model, full.memory)
@@ -137,8 +153,12 @@ def test_even_split_too_many_nodes_and_standby():
         even_split(TINY_K3, 7)
     with pytest.raises(TopologyError, match="need at least one node"):
         even_split(TINY_K3, 0)
-    assert [s.layer_range for s in even_split(KIMI_K3, 4).slots] == [range(0, 24), range(24, 47), range(47, 70),
-                                                                    range(70, 93)]
+    assert [s.layer_range for s in even_split(KIMI_K3, 4).slots] == [
+        range(0, 24),
+        range(24, 47),
+        range(47, 70),
+        range(70, 93),
+    ]
     t = even_split(TINY_K3, 3, n_standby=1, gpu_memory_gb=4)
     assert [s.id for s in t.standby] == ["s3"] and t.validate(TINY_K3) == []
 
@@ -168,10 +188,13 @@ def test_k3_80x5090_example_validates():
     # the bytes per token of the hops: at most 9 x 7168 x 2 (+ 3584 x 2 for a split layer)
     hop = [p.hop_bytes_per_token_out(KIMI_K3) for p in plans[:-1]]
     assert max(hop) <= 129_024 + 14_336 and all(h >= 14_336 for h in hop)
-    assert any(p.exits_mid_moe and p.hop_bytes_per_token_out(KIMI_K3) == (1 + p.bank_rows_out(KIMI_K3)) * 14_336 + 14_336
-               for p in plans)
+    assert any(
+        p.exits_mid_moe and p.hop_bytes_per_token_out(KIMI_K3) == (1 + p.bank_rows_out(KIMI_K3)) * 14_336 + 14_336
+        for p in plans
+    )
     # the generator reproduces the checked-in file
     import importlib.util
+
     spec = importlib.util.spec_from_file_location("mk", ROOT / "tools" / "make_k3_topology.py")
     mk = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mk)
@@ -268,15 +291,20 @@ def test_error_memory():
     d = base()
     d["slots"][0]["gpu_memory_gb"] = 0.5
     msg = errors_of(d)
-    assert ("slot s0 needs about 1.01 GiB (weights 0.00 GiB + caches 0.00 GiB + prefill workspace 0.01 GiB + CUDA "
-            "reserve 1.00 GiB) but has gpu_memory_gb = 0.5: it would fit with a CUDA reserve of at most 0.49 GiB") in msg
+    assert (
+        "slot s0 needs about 1.01 GiB (weights 0.00 GiB + caches 0.00 GiB + prefill workspace 0.01 GiB + CUDA "
+        "reserve 1.00 GiB) but has gpu_memory_gb = 0.5: it would fit with a CUDA reserve of at most 0.49 GiB"
+    ) in msg
     assert "fewer layers" not in msg  # the weights are not what does not fit
     # a custom estimate function
     msg = errors_of(base(), weight_bytes_fn=lambda s: 3 * GiB if s.id == "s1" else 0)
     assert "slot s1 needs about 3.00 GiB" in msg and "s0 needs" not in msg
     # K3 on 32 GB cards with whole layers
     t = even_split(KIMI_K3, 46, gpu_memory_gb=32)
-    with pytest.raises(TopologyError, match=r"slot s1 needs about 3\d\.\d\d GiB .* but has gpu_memory_gb = 32: it would fit with .*fewer layers"):
+    with pytest.raises(
+        TopologyError,
+        match=r"slot s1 needs about 3\d\.\d\d GiB .* but has gpu_memory_gb = 32: it would fit with .*fewer layers",
+    ):
         t.validate(KIMI_K3)
 
 
@@ -327,8 +355,9 @@ def test_standby_warning_and_secret(tmp_path):
     warns = t.validate(TINY_K3)
     assert warns and "standby slot tiny-spare (0.1 GiB) cannot take over any active slot" in warns[0]
     key = tmp_path / "c.key"
-    with pytest.raises(TopologyError, match=f"secret file {key} does not exist "
-                                            f"\\(create one with `p2pk3 secret --out {key}`\\)"):
+    with pytest.raises(
+        TopologyError, match=f"secret file {key} does not exist \\(create one with `p2pk3 secret --out {key}`\\)"
+    ):
         t.secret()
     key.write_text("short\n")
     with pytest.raises(TopologyError, match="at least 16 random bytes"):

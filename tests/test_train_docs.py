@@ -1,6 +1,7 @@
 """tools/train_docs.py on a small synthetic corpus (CI has no Debian doc packages): the chat loss mask covers
 exactly the answer, packing keeps every example whole, and a run interrupted after a checkpoint and resumed
 ends with exactly the weights of an uninterrupted run."""
+
 from __future__ import annotations
 
 import json
@@ -13,20 +14,25 @@ import torch
 from tools import doc_corpus
 from tools import train_docs as td
 
-WORDS = ("file directory process signal memory buffer string list value return error mode path user "
-         "time number option command output input system call function module object class").split()
+WORDS = (
+    "file directory process signal memory buffer string list value return error mode path user "
+    "time number option command output input system call function module object class"
+).split()
 
 
 def synthetic_corpus(tmp: Path) -> Path:
     rng = random.Random(0)
     docs = {}
     for i in range(120):
+
         def sent(n=10):
             return " ".join(rng.choice(WORDS) for _ in range(n)).capitalize() + "."
-        docs[f"man/cmd{i}.1"] = (f"NAME\n\ncmd{i} - {sent(5)[:-1].lower()}\n\nDESCRIPTION\n\n{sent()} {sent()}\n\n"
-                                 f"{sent()} {sent()} {sent()}\n")
-        docs[f"py/m{i}"] = (f"m{i}.f(x)\n\n{sent()} {sent()}\n\n    m{i}.f(3)\n\n"
-                            f"m{i}.g()\n\n{sent()} {sent()}\n")
+
+        docs[f"man/cmd{i}.1"] = (
+            f"NAME\n\ncmd{i} - {sent(5)[:-1].lower()}\n\nDESCRIPTION\n\n{sent()} {sent()}\n\n"
+            f"{sent()} {sent()} {sent()}\n"
+        )
+        docs[f"py/m{i}"] = f"m{i}.f(x)\n\n{sent()} {sent()}\n\n    m{i}.f(3)\n\nm{i}.g()\n\n{sent()} {sent()}\n"
     cache = tmp / "corpus"
     cache.mkdir()
     (cache / "docs.json").write_text(json.dumps(dict(sorted(docs.items()))))
@@ -34,9 +40,36 @@ def synthetic_corpus(tmp: Path) -> Path:
     return cache
 
 
-ARGS = ["--vocab", "640", "--hidden", "64", "--layers", "5", "--kda-heads", "2", "--kda-dim", "16",
-        "--experts", "4", "--moe-inter", "32", "--batch", "4", "--seq", "64", "--steps", "6", "--chat-steps", "4",
-        "--eval-every", "3", "--threads", "1", "--warmup", "2"]
+ARGS = [
+    "--vocab",
+    "640",
+    "--hidden",
+    "64",
+    "--layers",
+    "5",
+    "--kda-heads",
+    "2",
+    "--kda-dim",
+    "16",
+    "--experts",
+    "4",
+    "--moe-inter",
+    "32",
+    "--batch",
+    "4",
+    "--seq",
+    "64",
+    "--steps",
+    "6",
+    "--chat-steps",
+    "4",
+    "--eval-every",
+    "3",
+    "--threads",
+    "1",
+    "--warmup",
+    "2",
+]
 
 
 def test_chat_example_masks_exactly_the_answer(tmp_path):
@@ -50,11 +83,16 @@ def test_chat_example_masks_exactly_the_answer(tmp_path):
         assert len(mask) == len(ids) - 1 and ids[0] == tok.bos_id and ids[-1] == tok.eos_id
         targets = [t for t, m in zip(ids[1:], mask) if m]
         assert tok.decode(targets) == "List the files.<|im_end|>"  # the answer and its end, nothing else
-        assert tok.decode(ids[1:ids.index(tok.im_end_id) + 1]).startswith("<|im_system|>" if system else "<|im_user|>")
-    rows, masks = td.pack_rows([td.chat_example(tok, f"Q{i}?", "A" * (i % 7 + 1), None) for i in range(40)], 48,
-                               tok.pad_id, 0)
+        assert tok.decode(ids[1 : ids.index(tok.im_end_id) + 1]).startswith(
+            "<|im_system|>" if system else "<|im_user|>"
+        )
+    rows, masks = td.pack_rows(
+        [td.chat_example(tok, f"Q{i}?", "A" * (i % 7 + 1), None) for i in range(40)], 48, tok.pad_id, 0
+    )
     assert rows.shape[1] == 49 and masks.shape == (rows.shape[0], 48)
-    answers = sum(tok.decode([int(t) for t, m in zip(r[1:], mk) if m]).count("<|im_end|>") for r, mk in zip(rows, masks))
+    answers = sum(
+        tok.decode([int(t) for t, m in zip(r[1:], mk) if m]).count("<|im_end|>") for r, mk in zip(rows, masks)
+    )
     assert answers == 40  # every example packed whole, none cut across rows
 
 

@@ -8,6 +8,7 @@ Every request is greedy with a fixed length (`ignore_eos` on the API, no stop id
 both sides do the same work. The API's time to first token is the arrival of the first SSE event (the
 server sends it once the first token is out of the ring). Each figure is the best of `--rounds` runs, the
 two sides alternating so that drifting machine load hits both alike."""
+
 from __future__ import annotations
 
 import argparse
@@ -26,23 +27,33 @@ from p2pk3.params import SamplingParams
 from p2pk3.tokenizer import ChatTokenizer
 
 MODEL = default_model_dir().name  # the id the API serves it under
-QUESTIONS = ["What does the with statement do?", "How do I open a file?", "What is a list comprehension?",
-             "Explain the for statement.", "What is a generator?", "How does import work?",
-             "What is a dictionary?", "What does the yield keyword do?"]
+QUESTIONS = [
+    "What does the with statement do?",
+    "How do I open a file?",
+    "What is a list comprehension?",
+    "Explain the for statement.",
+    "What is a generator?",
+    "How does import work?",
+    "What is a dictionary?",
+    "What does the yield keyword do?",
+]
 
 
 async def ring_client_run(ring, prompts, tokens):
     """(total tokens, wall seconds, [ttft seconds]) with one ring Client per concurrent request."""
+
     async def one(ids):
         c = await ring.client()
         try:
             t0 = time.perf_counter()
             first = []
-            r = await c.generate(ids, SamplingParams(max_tokens=tokens),
-                                 on_token=lambda t: first or first.append(time.perf_counter()))
+            r = await c.generate(
+                ids, SamplingParams(max_tokens=tokens), on_token=lambda t: first or first.append(time.perf_counter())
+            )
             return len(r.tokens), first[0] - t0
         finally:
             c.close()
+
     t0 = time.perf_counter()
     res = await asyncio.gather(*(one(p) for p in prompts))
     return sum(n for n, _ in res), time.perf_counter() - t0, [t for _, t in res]
@@ -50,8 +61,14 @@ async def ring_client_run(ring, prompts, tokens):
 
 async def api_run(url, questions, tokens):
     async def one(s, q):
-        body = {"model": MODEL, "messages": [{"role": "user", "content": q}], "max_tokens": tokens, "stream": True,
-                "ignore_eos": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": q}],
+            "max_tokens": tokens,
+            "stream": True,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        }
         t0 = time.perf_counter()
         ttft, n = None, 0
         async with s.post(url + "/chat/completions", json=body) as r:
@@ -62,9 +79,10 @@ async def api_run(url, questions, tokens):
                     continue
                 if ttft is None:
                     ttft = time.perf_counter() - t0
-                if line.startswith(b'data: {') and b'"usage":{' in line:
+                if line.startswith(b"data: {") and b'"usage":{' in line:
                     n = json.loads(line[6:])["usage"]["completion_tokens"]
         return n, ttft
+
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn) as s:
         t0 = time.perf_counter()
@@ -95,6 +113,7 @@ def main() -> int:
     with LocalRing(mdir, a.nodes, extra_args=["--max-sessions", str(max(32, max(a.concurrency)))]) as ring:
         api = start_api_in_background(ring.topology, "127.0.0.1", free_ports(1)[0])
         try:
+
             async def bench():
                 rows = []
                 await api_run(api.url, QUESTIONS[:2], 4)  # warm-up of both paths
@@ -106,8 +125,11 @@ def main() -> int:
                     for _ in range(a.rounds):
                         for side in ("ring", "api"):
                             await wait_idle(ring)
-                            n, wall, ttfts = (await ring_client_run(ring, ids, a.tokens)) if side == "ring" else \
-                                (await api_run(api.url, qs, a.tokens))
+                            n, wall, ttfts = (
+                                (await ring_client_run(ring, ids, a.tokens))
+                                if side == "ring"
+                                else (await api_run(api.url, qs, a.tokens))
+                            )
                             if n != c * a.tokens:
                                 raise RuntimeError(f"{side}: {n} tokens, expected {c * a.tokens}")
                             fig = (n / wall, statistics.median(ttfts))
@@ -115,15 +137,20 @@ def main() -> int:
                                 best[side] = fig
                     rows.append((c, *best["ring"], *best["api"]))
                 return rows
+
             rows = asyncio.run(bench())
         finally:
             api.stop()
     print(f"ring of {a.nodes} nodes, embedded model, {a.tokens} tokens per request, best of {a.rounds} rounds")
-    print(f"{'clients':>7} | {'ring tok/s':>10} {'ring TTFT ms':>12} | {'API tok/s':>10} {'API TTFT ms':>11} | "
-          f"{'tok/s API/ring':>14} {'TTFT API/ring':>13}")
+    print(
+        f"{'clients':>7} | {'ring tok/s':>10} {'ring TTFT ms':>12} | {'API tok/s':>10} {'API TTFT ms':>11} | "
+        f"{'tok/s API/ring':>14} {'TTFT API/ring':>13}"
+    )
     for c, rt, rf, at, af in rows:
-        print(f"{c:>7} | {rt:>10.1f} {1000 * rf:>12.1f} | {at:>10.1f} {1000 * af:>11.1f} | {at / rt:>14.3f} "
-              f"{af / rf:>13.3f}")
+        print(
+            f"{c:>7} | {rt:>10.1f} {1000 * rf:>12.1f} | {at:>10.1f} {1000 * af:>11.1f} | {at / rt:>14.3f} "
+            f"{af / rf:>13.3f}"
+        )
     return 0
 
 

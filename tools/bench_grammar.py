@@ -17,6 +17,7 @@ The 160k vocabulary: no tiktoken vocabulary file ships offline, so a byte-level 
 trained with `tokenizers` on this Python's own sources (stdlib + a few installed packages, ~130 MB, a few
 minutes on two cores), cached at --vocab160 (default: $TMPDIR/p2pk3-bench-v160k.json).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,25 +42,53 @@ WS = 32  # bounded whitespace between JSON tokens, both engines
 
 CASES = {
     "json_object": {"type": "object"},
-    "flat+enum": {"type": "object", "additionalProperties": False, "required": ["name", "age", "role"],
-                  "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
-                                 "role": {"enum": ["admin", "user", "guest"]}}},
-    "nested+arrays": {"type": "object", "additionalProperties": False, "required": ["items", "meta"],
-                      "properties": {
-                          "items": {"type": "array", "maxItems": 6, "items": {
-                              "type": "object", "additionalProperties": False, "required": ["id", "tags"],
-                              "properties": {"id": {"type": "integer"},
-                                             "tags": {"type": "array", "maxItems": 3,
-                                                      "items": {"type": "string", "maxLength": 8}}}}},
-                          "meta": {"type": "object", "additionalProperties": False, "required": ["ok"],
-                                   "properties": {"ok": {"type": "boolean"}, "score": {"type": "number"}}}}},
-    "tool-call args": {"type": "object", "additionalProperties": False,
-                       "required": ["city", "unit", "days", "include"],
-                       "properties": {"city": {"type": "string", "maxLength": 32},
-                                      "unit": {"enum": ["celsius", "fahrenheit"]},
-                                      "days": {"type": "integer", "minimum": 1, "maximum": 14},
-                                      "include": {"type": "array", "items": {"enum": ["wind", "rain", "uv"]},
-                                                  "maxItems": 3}}},
+    "flat+enum": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["name", "age", "role"],
+        "properties": {
+            "name": {"type": "string", "maxLength": 24},
+            "age": {"type": "integer"},
+            "role": {"enum": ["admin", "user", "guest"]},
+        },
+    },
+    "nested+arrays": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["items", "meta"],
+        "properties": {
+            "items": {
+                "type": "array",
+                "maxItems": 6,
+                "items": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["id", "tags"],
+                    "properties": {
+                        "id": {"type": "integer"},
+                        "tags": {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 8}},
+                    },
+                },
+            },
+            "meta": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["ok"],
+                "properties": {"ok": {"type": "boolean"}, "score": {"type": "number"}},
+            },
+        },
+    },
+    "tool-call args": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["city", "unit", "days", "include"],
+        "properties": {
+            "city": {"type": "string", "maxLength": 32},
+            "unit": {"enum": ["celsius", "fahrenheit"]},
+            "days": {"type": "integer", "minimum": 1, "maximum": 14},
+            "include": {"type": "array", "items": {"enum": ["wind", "rain", "uv"]}, "maxItems": 3},
+        },
+    },
 }
 
 
@@ -70,16 +99,31 @@ def synthetic_vocab(path: pathlib.Path, size: int = 160_000) -> pathlib.Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    keep = ("transformers", "sympy", "pip", "setuptools", "aiohttp", "jinja2", "rich", "click", "pygments",
-            "hypothesis")
+    keep = (
+        "transformers",
+        "sympy",
+        "pip",
+        "setuptools",
+        "aiohttp",
+        "jinja2",
+        "rich",
+        "click",
+        "pygments",
+        "hypothesis",
+    )
     files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
     files += sorted(p for p in (root / "site-packages").rglob("*.py") if p.parts[len(root.parts) + 1] in keep)
     print(f"training a {size}-id byte-level BPE on {len(files)} local .py files ...", flush=True)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=size - 1, min_frequency=1, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<|eos|>"])
+    trainer = trainers.BpeTrainer(
+        vocab_size=size - 1,
+        min_frequency=1,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|eos|>"],
+    )
     tok.train_from_iterator((p.read_text(errors="replace") for p in files), trainer)
     if tok.get_vocab_size() < size - 1:
         print(f"  (the corpus gives {tok.get_vocab_size()} ids; padding to {size} with unused ids)")
@@ -114,6 +158,7 @@ class XGrammar:
 
 class LLGuidance:
     """llguidance through p2pk3's own wrapper (p2pk3.agent.grammar), so the figures are the ones we get."""
+
     name = "llguidance"
 
     def __init__(self, tokenizer, tokens: list[bytes], stop: list[int]):
@@ -182,8 +227,19 @@ def bench(label: str, tokenizer, n_tokens: int, seed: int) -> list[tuple]:
                 break
         for k, e in enumerate(engines):
             first, us = 1e3 * times[k][0], [1e6 * x for x in times[k][1:]] or [float("nan")]
-            rows.append((label, case, e.name, compile_ms[k], first, steps, statistics.mean(us), statistics.median(us),
-                         sorted(us)[int(0.99 * (len(us) - 1))]))
+            rows.append(
+                (
+                    label,
+                    case,
+                    e.name,
+                    compile_ms[k],
+                    first,
+                    steps,
+                    statistics.mean(us),
+                    statistics.median(us),
+                    sorted(us)[int(0.99 * (len(us) - 1))],
+                )
+            )
     return rows
 
 
@@ -191,8 +247,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=200, help="tokens per trajectory (max)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--vocab160", type=pathlib.Path,
-                    default=pathlib.Path(tempfile.gettempdir()) / "p2pk3-bench-v160k.json")
+    ap.add_argument(
+        "--vocab160", type=pathlib.Path, default=pathlib.Path(tempfile.gettempdir()) / "p2pk3-bench-v160k.json"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("RAYON_NUM_THREADS", "1")
@@ -209,15 +266,22 @@ def main() -> None:
     v160 = HFTokenizer(synthetic_vocab(args.vocab160), {"eos_token": "<|eos|>"})
     rows = bench(f"embedded {embedded.vocab_size}", embedded, args.tokens, args.seed)
     rows += bench(f"bpe {v160.vocab_size}", v160, args.tokens, args.seed)
-    print("\ncompile: building the matcher for the schema; first mask: the first token's mask (llguidance builds "
-          "its lexer lazily there);\nmean/p50/p99: every later token's mask")
-    print(f"{'vocab':<14} {'case':<15} {'engine':<11} {'compile ms':>10} {'1st mask ms':>11} {'tokens':>6} "
-          f"{'mean us':>8} {'p50 us':>8} {'p99 us':>8}")
+    print(
+        "\ncompile: building the matcher for the schema; first mask: the first token's mask (llguidance builds "
+        "its lexer lazily there);\nmean/p50/p99: every later token's mask"
+    )
+    print(
+        f"{'vocab':<14} {'case':<15} {'engine':<11} {'compile ms':>10} {'1st mask ms':>11} {'tokens':>6} "
+        f"{'mean us':>8} {'p50 us':>8} {'p99 us':>8}"
+    )
     for r in rows:
-        print(f"{r[0]:<14} {r[1]:<15} {r[2]:<11} {r[3]:>10.1f} {r[4]:>11.1f} {r[5]:>6} {r[6]:>8.1f} {r[7]:>8.1f} "
-              f"{r[8]:>8.1f}")
-    print("\nratios xgrammar / llguidance (> 1: llguidance faster); on a shared machine the median is the figure "
-          "to trust")
+        print(
+            f"{r[0]:<14} {r[1]:<15} {r[2]:<11} {r[3]:>10.1f} {r[4]:>11.1f} {r[5]:>6} {r[6]:>8.1f} {r[7]:>8.1f} "
+            f"{r[8]:>8.1f}"
+        )
+    print(
+        "\nratios xgrammar / llguidance (> 1: llguidance faster); on a shared machine the median is the figure to trust"
+    )
     print(f"{'vocab':<14} {'case':<15} {'p50 mask':>9} {'mean mask':>10} {'compile+1st mask':>17}")
     for a, b in zip(rows[::2], rows[1::2]):
         print(f"{a[0]:<14} {a[1]:<15} {a[7] / b[7]:>9.2f} {a[6] / b[6]:>10.2f} {(a[3] + a[4]) / (b[3] + b[4]):>17.2f}")

@@ -17,6 +17,7 @@ ring gave the same tokens.
 
     python tools/bench_ring.py --scaling [--nodes 1,2,4] [--model DIR] [--json OUT]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,6 +36,7 @@ import numpy as np
 def _uvloop_run(coro):
     try:
         import uvloop
+
         return uvloop.run(coro)
     except ImportError:  # pragma: no cover
         return asyncio.run(coro)
@@ -181,6 +183,7 @@ def _decode_tps(model_dir: str, sessions: int, new_tokens: int, nodes: int) -> f
     from p2pk3.node.local import LocalRing
 
     with LocalRing(model_dir, nodes) as ring:
+
         async def go():
             cs = [await ring.client() for _ in range(sessions)]
             await cs[0].generate(prompts[0], SamplingParams(max_tokens=2))  # warm-up
@@ -190,6 +193,7 @@ def _decode_tps(model_dir: str, sessions: int, new_tokens: int, nodes: int) -> f
             for c in cs:
                 c.close()
             return sum(len(o.tokens) for o in outs) / dt
+
         return asyncio.run(go())
 
 
@@ -199,6 +203,7 @@ def _stage_busy(ring) -> dict[str, float]:
 
     async def go():
         return await asyncio.gather(*(probe(ring.address(s.id), ring.secret) for s in ring.topo.active))
+
     return {st["slot"]: float(st["busy_s"]) for st in asyncio.run(go()) if st}
 
 
@@ -207,12 +212,15 @@ async def _timed(ring, prompts, params, on_token=None):
     cs = [await ring.client() for _ in prompts]
     stamps = [[] for _ in prompts]
     try:
+
         async def one(i):
             def on(tok):
                 stamps[i].append(time.perf_counter())
                 if on_token:
                     on_token(i)
+
             return await cs[i].generate(prompts[i], params, on_token=on)
+
         t0 = time.perf_counter()
         replies = await asyncio.gather(*(one(i) for i in range(len(prompts))))
         return t0, time.perf_counter(), replies, stamps
@@ -229,6 +237,7 @@ async def _itl_with_prefill(ring, prompts, long_prompt, new_tokens: int) -> tupl
     """p99 inter-token gap (s) of the decoding sessions while `long_prompt` prefills beside them, the same
     without it, and how many of their gaps fell inside the prefill (which is cancelled once they are done)."""
     from p2pk3.params import SamplingParams
+
     params = SamplingParams(max_tokens=new_tokens)
     _, _, _, alone = await _timed(ring, prompts, params)
     base = [b - a for s in alone for a, b in zip(s[2:], s[3:])]  # steady decode (past the first tokens)
@@ -237,13 +246,18 @@ async def _itl_with_prefill(ring, prompts, long_prompt, new_tokens: int) -> tupl
     stamps = [[] for _ in prompts]
     started = asyncio.Event()
     try:
+
         def on(i):
             def f(tok):
                 stamps[i].append(time.perf_counter())
                 if all(len(s) >= 3 for s in stamps):
                     started.set()
+
             return f
-        tasks = [asyncio.create_task(c.generate(p, params, on_token=on(i))) for i, (c, p) in enumerate(zip(cs, prompts))]
+
+        tasks = [
+            asyncio.create_task(c.generate(p, params, on_token=on(i))) for i, (c, p) in enumerate(zip(cs, prompts))
+        ]
         await started.wait()
         t_long = time.perf_counter()
         longt = asyncio.create_task(lc.generate(long_prompt, SamplingParams(max_tokens=1)))
@@ -269,6 +283,7 @@ def _ceiling(model_dir: str) -> tuple[float, float]:
 
     from p2pk3.engine.reference import Pipeline
     from p2pk3.model.cache import Span
+
     torch.set_num_threads(1)
     pipe = Pipeline.load(model_dir, 1, max_sessions=32, max_tokens=32 * 128, block_size=16)
     out = []
@@ -292,10 +307,12 @@ def _ceiling(model_dir: str) -> tuple[float, float]:
 def scaling(model_dir: str, nodes: list[int], decode_tokens: int = 48) -> dict:
     from p2pk3.node.local import LocalRing
     from p2pk3.params import SamplingParams
+
     rng = np.random.default_rng(21)
 
     def prompt(n):
         return [int(t) for t in rng.integers(3, 2000, n)]
+
     ttft_prompt = prompt(1536)
     prefill_prompts = [prompt(1024) for _ in range(8)]
     decode_prompts = [prompt(16) for _ in range(16)]
@@ -303,22 +320,28 @@ def scaling(model_dir: str, nodes: list[int], decode_tokens: int = 48) -> dict:
     res: dict = {"load_before": os.getloadavg()}
     t8, t16 = _ceiling(model_dir)
     res["ceiling"] = {"step8_ms": t8, "step16_ms": t16, "ratio": t16 / t8}
-    print(f"   one process, 1 thread: decode step of 8 sessions {t8:.1f} ms, of 16 {t16:.1f} ms "
-          f"-> two micro-batches of 8 on two stages gain at most {t16 / t8:.2f}x")
+    print(
+        f"   one process, 1 thread: decode step of 8 sessions {t8:.1f} ms, of 16 {t16:.1f} ms "
+        f"-> two micro-batches of 8 on two stages gain at most {t16 / t8:.2f}x"
+    )
     for n in nodes:
         r: dict = {}
         with LocalRing(model_dir, n) as ring:
+
             async def warm():
                 c = await ring.client()
                 await c.generate(prompt(300), SamplingParams(max_tokens=4))
                 c.close()
+
             asyncio.run(warm())
             t0, t1, (rep,), _ = asyncio.run(_timed(ring, [ttft_prompt], SamplingParams(max_tokens=1)))
             r["ttft_s"] = rep.stats.get("ttft_s") or (t1 - t0)
             t0, t1, _, _ = asyncio.run(_timed(ring, prefill_prompts, SamplingParams(max_tokens=1)))
             r["prompt_tps"] = sum(len(p) for p in prefill_prompts) / (t1 - t0)
             b0, w0 = _stage_busy(ring), time.perf_counter()
-            t0, t1, replies, stamps = asyncio.run(_timed(ring, decode_prompts, SamplingParams(max_tokens=decode_tokens)))
+            t0, t1, replies, stamps = asyncio.run(
+                _timed(ring, decode_prompts, SamplingParams(max_tokens=decode_tokens))
+            )
             b1, w1 = _stage_busy(ring), time.perf_counter()
             r["decode_tps"] = sum(len(x.tokens) for x in replies) / (t1 - t0)
             r["busy"] = {k: (b1[k] - b0.get(k, 0.0)) / (w1 - w0) for k in b1}
@@ -328,20 +351,27 @@ def scaling(model_dir: str, nodes: list[int], decode_tokens: int = 48) -> dict:
             r["load"] = os.getloadavg()
         res[n] = r
         busy = ", ".join(f"{k} {100 * v:.0f}%" for k, v in r["busy"].items())
-        print(f"   {n} node(s): TTFT {r['ttft_s']:.2f} s; prompt {r['prompt_tps']:.0f} tok/s; decode {r['decode_tps']:.1f} tok/s "
-              f"(busy {busy}); p99 gap {r['itl_p99_ms']['with_prefill']:.0f} ms with a 4,096-token prefill vs "
-              f"{r['itl_p99_ms']['without']:.0f} ms without ({k} gaps); load {r['load'][0]:.2f}")
+        print(
+            f"   {n} node(s): TTFT {r['ttft_s']:.2f} s; prompt {r['prompt_tps']:.0f} tok/s; decode {r['decode_tps']:.1f} tok/s "
+            f"(busy {busy}); p99 gap {r['itl_p99_ms']['with_prefill']:.0f} ms with a 4,096-token prefill vs "
+            f"{r['itl_p99_ms']['without']:.0f} ms without ({k} gaps); load {r['load'][0]:.2f}"
+        )
     base = res[nodes[0]]
     for n in nodes[1:]:
         r = res[n]
-        r["ratios"] = {"ttft": r["ttft_s"] / base["ttft_s"], "prompt_tps": r["prompt_tps"] / base["prompt_tps"],
-                       "decode_tps": r["decode_tps"] / base["decode_tps"],
-                       "itl_with_vs_without": r["itl_p99_ms"]["with_prefill"] / r["itl_p99_ms"]["without"]}
+        r["ratios"] = {
+            "ttft": r["ttft_s"] / base["ttft_s"],
+            "prompt_tps": r["prompt_tps"] / base["prompt_tps"],
+            "decode_tps": r["decode_tps"] / base["decode_tps"],
+            "itl_with_vs_without": r["itl_p99_ms"]["with_prefill"] / r["itl_p99_ms"]["without"],
+        }
         q = r["ratios"]
-        print(f"   {n}-node / {nodes[0]}-node: TTFT {q['ttft']:.2f}x (target <= 0.65x at 2 nodes); prompt tokens/s "
-              f"{q['prompt_tps']:.2f}x (target >= 1.6x, ceiling 2x on 2 cores); decode {q['decode_tps']:.2f}x "
-              f"(target >= 1.15x; ceiling {res['ceiling']['ratio']:.2f}x); busy {', '.join(f'{100 * v:.0f}%' for v in r['busy'].values())} "
-              f"(target >= 80%); p99 gap with prefill {q['itl_with_vs_without']:.2f}x of without (target <= 2x)")
+        print(
+            f"   {n}-node / {nodes[0]}-node: TTFT {q['ttft']:.2f}x (target <= 0.65x at 2 nodes); prompt tokens/s "
+            f"{q['prompt_tps']:.2f}x (target >= 1.6x, ceiling 2x on 2 cores); decode {q['decode_tps']:.2f}x "
+            f"(target >= 1.15x; ceiling {res['ceiling']['ratio']:.2f}x); busy {', '.join(f'{100 * v:.0f}%' for v in r['busy'].values())} "
+            f"(target >= 80%); p99 gap with prefill {q['itl_with_vs_without']:.2f}x of without (target <= 2x)"
+        )
     same = all(res[n]["tokens"] == base["tokens"] for n in nodes)
     res["tokens_identical"] = same
     print(f"   tokens of the 16 decoding sessions identical on every ring: {'yes' if same else 'NO'}")
@@ -353,6 +383,7 @@ def scaling(model_dir: str, nodes: list[int], decode_tokens: int = 48) -> dict:
 
 def _default_model() -> str:
     from p2pk3.engine.reference import default_model_dir
+
     return str(default_model_dir())
 
 
@@ -370,16 +401,23 @@ def main() -> None:
     if a.scaling:
         model = a.model or _default_model()
         print(f"scaling: {model}; {out['date']}; load average {os.getloadavg()}")
-        out["scaling"] = scaling(model, [int(x) for x in a.nodes.split(",")], a.new_tokens if a.new_tokens != 24 else 48)
+        out["scaling"] = scaling(
+            model, [int(x) for x in a.nodes.split(",")], a.new_tokens if a.new_tokens != 24 else 48
+        )
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(out, f, indent=2, default=str)
         return
 
     print("1. per-hop latency (round trip, median): p2pk3 frame echo vs bare uvloop echo of the same bytes")
-    for label, nbytes in (("tiny-K3 decode hop (1 token, 3 rows x 64 fp32)", 768), ("K3 decode hop (129,024 B)", 129024)):
+    for label, nbytes in (
+        ("tiny-K3 decode hop (1 token, 3 rows x 64 fp32)", 768),
+        ("K3 decode hop (129,024 B)", 129024),
+    ):
         ours, base = _uvloop_run(_latency(nbytes, a.rounds))
-        print(f"   {label:44s} ours {ours * 1e6:8.1f} us  bare {base * 1e6:8.1f} us  ratio {ours / base:5.2f}x (target <= 1.3x)")
+        print(
+            f"   {label:44s} ours {ours * 1e6:8.1f} us  bare {base * 1e6:8.1f} us  ratio {ours / base:5.2f}x (target <= 1.3x)"
+        )
         out[f"latency_{nbytes}"] = {"ours_us": ours * 1e6, "bare_us": base * 1e6, "ratio": ours / base}
 
     print("2. 64 MB prefill payload: p2pk3 frame vs raw socket copy")
@@ -392,11 +430,13 @@ def main() -> None:
         tmp = None
         if model is None:
             from p2pk3.engine.reference import default_model_dir
+
             if (default_model_dir() / "config.json").exists():
                 model = str(default_model_dir())
             else:
                 from p2pk3.checkpoint.tiny import write_checkpoint
                 from p2pk3.model.config import TINY_K3
+
                 tmp = tempfile.TemporaryDirectory()
                 write_checkpoint(tmp.name, TINY_K3)
                 model = tmp.name
@@ -404,7 +444,9 @@ def main() -> None:
         for n in (1, 16):
             one = _decode_tps(model, n, a.new_tokens, 0)
             ring = _decode_tps(model, n, a.new_tokens, 4)
-            print(f"   {n:2d} session(s): one process {one:8.1f} tok/s  4-node ring {ring:8.1f} tok/s  ratio {ring / one:5.2f}x")
+            print(
+                f"   {n:2d} session(s): one process {one:8.1f} tok/s  4-node ring {ring:8.1f} tok/s  ratio {ring / one:5.2f}x"
+            )
             out[f"decode_{n}"] = {"one_process_tps": one, "ring4_tps": ring, "ratio": ring / one}
         if tmp:
             tmp.cleanup()

@@ -12,6 +12,7 @@ the drafting time per pass, and whether the output equals plain decoding (it mus
 
 Daemons run in this process (one asyncio loop, authenticated TCP over loopback, each stage in its own
 worker thread), like tests/test_ring.py."""
+
 from __future__ import annotations
 
 import argparse
@@ -43,9 +44,11 @@ CODE = '''def parse_args(argv):
 # The same function, with the help texts changed:
 def parse_args(argv):
     parser = argparse.ArgumentParser(description="'''
-SUMMARY = ("The with statement is used to wrap the execution of a block with methods defined by a context "
-           "manager. This allows common try except finally usage patterns to be encapsulated for convenient "
-           "reuse.\n\nIn short: the with statement is used to wrap the execution of a block")
+SUMMARY = (
+    "The with statement is used to wrap the execution of a block with methods defined by a context "
+    "manager. This allows common try except finally usage patterns to be encapsulated for convenient "
+    "reuse.\n\nIn short: the with statement is used to wrap the execution of a block"
+)
 CHAT = "How do I read a file line by line in Python?"
 
 
@@ -60,8 +63,13 @@ class LocalRing:
 
     async def __aenter__(self):
         for s in self.topo.active:
-            d = NodeDaemon(self.topo, s.id, model_dir=self.model_dir, secret=self.secret,
-                           options=NodeOptions(prefill_chunk=64, max_sessions=40))
+            d = NodeDaemon(
+                self.topo,
+                s.id,
+                model_dir=self.model_dir,
+                secret=self.secret,
+                options=NodeOptions(prefill_chunk=64, max_sessions=40),
+            )
             await d.start()
             self.daemons.append(d)
         deadline = time.monotonic() + 60  # until the entry's failure detector has seen every slot up
@@ -84,6 +92,7 @@ class LocalRing:
                 return await c.generate(p, sp)
             finally:
                 c.close()
+
         t0 = time.perf_counter()
         outs = await asyncio.gather(*(one(p, sp) for p, sp in zip(prompts, params)))
         return outs, time.perf_counter() - t0
@@ -107,21 +116,33 @@ async def pass_cost(ring, prompt, tokens, sessions_list):
             await ring.run([prompt] * b, [p] * b)  # warm-up (prefill shapes)
             outs, wall = await ring.run([prompt] * b, [p] * b)
             passes = statistics.mean(o.stats.get("passes") or len(o.tokens) for o in outs)
-            decode = statistics.mean((o.stats["total_s"] - o.stats["ttft_s"]) / max(1, (o.stats.get("passes") or len(o.tokens)) - 1)
-                                     for o in outs)
-            rows.append({"sessions": b, "width_per_session": 1 + k, "ms_per_pass": round(1000 * decode, 2),
-                         "batch_tokens": b * (1 + k), "passes": passes})
+            decode = statistics.mean(
+                (o.stats["total_s"] - o.stats["ttft_s"]) / max(1, (o.stats.get("passes") or len(o.tokens)) - 1)
+                for o in outs
+            )
+            rows.append(
+                {
+                    "sessions": b,
+                    "width_per_session": 1 + k,
+                    "ms_per_pass": round(1000 * decode, 2),
+                    "batch_tokens": b * (1 + k),
+                    "passes": passes,
+                }
+            )
             print(f"  sessions {b:2d}  width {1 + k}  {1000 * decode:8.2f} ms/pass", flush=True)
     entry.draft_policy = "adaptive"
     from p2pk3.spec.proposers import NgramProposer
+
     entry.proposer_factories["ngram"] = NgramProposer
     return rows
 
 
 async def gains(ring, tok, tokens, sessions_list):
-    cases = {"code-edit": [tok.bos_id] + tok.encode(CODE) if tok.bos_id is not None else tok.encode(CODE),
-             "summarise": ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(SUMMARY),
-             "open-chat": tok.apply_chat_template([{"role": "user", "content": CHAT}], add_generation_prompt=True)}
+    cases = {
+        "code-edit": [tok.bos_id] + tok.encode(CODE) if tok.bos_id is not None else tok.encode(CODE),
+        "summarise": ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(SUMMARY),
+        "open-chat": tok.apply_chat_template([{"role": "user", "content": CHAT}], add_generation_prompt=True),
+    }
     rows = []
     for name, prompt in cases.items():
         for b in sessions_list:
@@ -136,24 +157,38 @@ async def gains(ring, tok, tokens, sessions_list):
                 prop = sum(s.get("proposed", 0) for s in st)
                 acc = sum(s.get("accepted", 0) for s in st)
                 dus = [s["draft_us"] for s in st if s.get("draft_us")]
-                decode = statistics.mean(max(1, len(o.tokens) - 1) / max(1e-9, o.stats["total_s"] - o.stats["ttft_s"])
-                                         for o in outs)
+                decode = statistics.mean(
+                    max(1, len(o.tokens) - 1) / max(1e-9, o.stats["total_s"] - o.stats["ttft_s"]) for o in outs
+                )
                 same = base is None or [o.tokens for o in outs] == base
                 if base is None:
                     base = [o.tokens for o in outs]
-                r = {"prompt": name, "sessions": b, "speculate": method, "tokens_per_pass": round(tpp, 2),
-                     "acceptance": round(acc / prop, 3) if prop else None, "proposed": prop, "accepted": acc,
-                     "aggregate_tok_s": round(n / wall, 1), "decode_tok_s_per_session": round(decode, 1),
-                     "draft_us_per_pass": round(statistics.mean(dus), 1) if dus else None, "same_as_plain": same}
+                r = {
+                    "prompt": name,
+                    "sessions": b,
+                    "speculate": method,
+                    "tokens_per_pass": round(tpp, 2),
+                    "acceptance": round(acc / prop, 3) if prop else None,
+                    "proposed": prop,
+                    "accepted": acc,
+                    "aggregate_tok_s": round(n / wall, 1),
+                    "decode_tok_s_per_session": round(decode, 1),
+                    "draft_us_per_pass": round(statistics.mean(dus), 1) if dus else None,
+                    "same_as_plain": same,
+                }
                 rows.append(r)
-                print(f"  {name:9s} sessions {b:2d} {method:6s} tok/pass {tpp:5.2f}  acc "
-                      f"{(acc / prop if prop else 0):5.2f}  {n / wall:7.1f} tok/s aggregate  {decode:6.1f} tok/s/session"
-                      f"  draft {r['draft_us_per_pass']} us  same={same}", flush=True)
+                print(
+                    f"  {name:9s} sessions {b:2d} {method:6s} tok/pass {tpp:5.2f}  acc "
+                    f"{(acc / prop if prop else 0):5.2f}  {n / wall:7.1f} tok/s aggregate  {decode:6.1f} tok/s/session"
+                    f"  draft {r['draft_us_per_pass']} us  same={same}",
+                    flush=True,
+                )
     return rows
 
 
 async def main(args):
     from p2pk3.tokenizer import load_tokenizer
+
     mdir = default_model_dir()
     tok = load_tokenizer(mdir)
     sessions = [int(x) for x in args.sessions.split(",")]
@@ -182,5 +217,6 @@ if __name__ == "__main__":
     if a.quick:
         a.tokens, a.cost_tokens = 24, 8
     import torch
+
     torch.set_num_threads(1)
     asyncio.run(main(a))

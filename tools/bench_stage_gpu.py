@@ -15,6 +15,7 @@ reference), the routed experts at 16 experts (one token), a BF16 GEMV 12288 x 71
 heads, MLA decode at 32 k context, each as GB/s of the bytes it must read and as a fraction of the copy.
 Every section is guarded: a failure is recorded and the next section runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 def _this_trees_kernels() -> None:
     """Import `p2pk3_kernels` from this tree's kernels/ (an installed copy may be another checkout's)."""
     import tempfile
+
     shim = Path(tempfile.mkdtemp(prefix="p2pk3-kernels-"))
     (shim / "p2pk3_kernels").symlink_to(ROOT / "kernels", target_is_directory=True)
     sys.path.insert(0, str(shim))
@@ -122,6 +124,7 @@ def bench_stage(cfg, dev, dtype, context, batches, steps, compile_too: bool) -> 
             row = {"batch": b, "eager_ms": eager * 1e3}
             try:
                 from torch.profiler import ProfilerActivity, profile
+
                 acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
                 with profile(activities=acts) as prof:
                     step(0)
@@ -168,6 +171,7 @@ def cuda_time(fn, reps=20) -> float:
 
 def bench_kernels(cfg, dev, dtype, tiny: bool) -> dict:
     from p2pk3_kernels import ops
+
     res = {}
 
     def rec(name, nbytes, fn):
@@ -190,8 +194,11 @@ def bench_kernels(cfg, dev, dtype, tiny: bool) -> dict:
     z = torch.randn(1, W, device=dev, dtype=dtype)
     ids = torch.randperm(E, device=dev)[:k].view(1, k)
     tw = torch.rand(1, k, device=dev)
-    rec(f"mxfp4_moe_{k}_experts", k * (3 * I * W // 2 + 3 * I * W // 32),
-        lambda: ops.mxfp4_moe(z, w1, s1, w1, s1, w2, s2, ids, tw, cfg.hidden_act, cfg.situ_beta, cfg.situ_linear_beta))
+    rec(
+        f"mxfp4_moe_{k}_experts",
+        k * (3 * I * W // 2 + 3 * I * W // 32),
+        lambda: ops.mxfp4_moe(z, w1, s1, w1, s1, w2, s2, ids, tw, cfg.hidden_act, cfg.situ_beta, cfg.situ_linear_beta),
+    )
     M, K = (256, 128) if tiny else (12288, 7168)
     w = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
     x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
@@ -201,8 +208,11 @@ def bench_kernels(cfg, dev, dtype, tiny: bool) -> dict:
     q = torch.randn(1, H, Kd, device=dev, dtype=dtype)
     rows = torch.zeros(1, dtype=torch.long, device=dev)
     Al, dtb = torch.zeros(H, device=dev), torch.zeros(H * Kd, device=dev)
-    rec(f"kda_decode_{H}_heads", 2 * H * Kd * Kd * 4,
-        lambda: ops.kda_decode(q, q, q, q, q[..., 0], Al, dtb, st, rows, Kd ** -0.5, cfg.kda_gate_lower_bound))
+    rec(
+        f"kda_decode_{H}_heads",
+        2 * H * Kd * Kd * 4,
+        lambda: ops.kda_decode(q, q, q, q, q[..., 0], Al, dtb, st, rows, Kd**-0.5, cfg.kda_gate_lower_bound),
+    )
     L = 4096 if tiny else 32768
     bs, Wc, R = 64, cfg.mla_cache_width, cfg.kv_lora_rank
     pool = torch.randn(L // bs + 1, bs, Wc, device=dev, dtype=dtype)
@@ -210,8 +220,11 @@ def bench_kernels(cfg, dev, dtype, tiny: bool) -> dict:
     lens = torch.tensor([L], device=dev, dtype=torch.int32)
     ql = torch.randn(1, cfg.num_attention_heads, R, device=dev, dtype=dtype)
     qp = torch.randn(1, cfg.num_attention_heads, Wc - R, device=dev, dtype=dtype)
-    rec(f"mla_decode_{L // 1024}k", L * Wc * pool.element_size(),
-        lambda: ops.mla_decode(ql, qp, pool, bt, lens, cfg.q_head_dim ** -0.5))
+    rec(
+        f"mla_decode_{L // 1024}k",
+        L * Wc * pool.element_size(),
+        lambda: ops.mla_decode(ql, qp, pool, bt, lens, cfg.q_head_dim**-0.5),
+    )
     cp = res.get("copy", {}).get("GB_per_s")
     for v in res.values():
         if cp and "GB_per_s" in v:
@@ -220,15 +233,21 @@ def bench_kernels(cfg, dev, dtype, tiny: bool) -> dict:
 
 
 def markdown(r: dict) -> str:
-    lines = [f"### K3-shaped stage on {r['device']} ({r['date']})", "",
-             f"torch {r['torch']}, {r['dtype']}, layers 0 (KDA + dense) and 3 (MLA + MoE, 896 experts), "
-             f"context {r.get('stage', {}).get('context')}", "",
-             "| batch | eager ms/step | graphed ms/step | CUDA kernels per step | us per launch saved | compile s |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"### K3-shaped stage on {r['device']} ({r['date']})",
+        "",
+        f"torch {r['torch']}, {r['dtype']}, layers 0 (KDA + dense) and 3 (MLA + MoE, 896 experts), "
+        f"context {r.get('stage', {}).get('context')}",
+        "",
+        "| batch | eager ms/step | graphed ms/step | CUDA kernels per step | us per launch saved | compile s |",
+        "|---|---|---|---|---|---|",
+    ]
     for row in r.get("stage", {}).get("rows", []):
-        lines.append(f"| {row['batch']} | {row.get('eager_ms', float('nan')):.3f} | {row.get('graphed_ms', float('nan')):.3f} "
-                     f"| {row.get('cuda_kernels', '-')} | {row.get('us_per_launch_saved', float('nan')):.2f} "
-                     f"| {row.get('compile_s', float('nan')):.1f} |")
+        lines.append(
+            f"| {row['batch']} | {row.get('eager_ms', float('nan')):.3f} | {row.get('graphed_ms', float('nan')):.3f} "
+            f"| {row.get('cuda_kernels', '-')} | {row.get('us_per_launch_saved', float('nan')):.2f} "
+            f"| {row.get('compile_s', float('nan')):.1f} |"
+        )
     lines += ["", "| kernel | us | GB/s | of copy |", "|---|---|---|---|"]
     for k, v in r.get("kernels", {}).items():
         if "us" in v:
@@ -255,8 +274,13 @@ def main(argv=None) -> None:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    r = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-         "dtype": str(dtype), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": cfg.model_type}
+    r = {
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "dtype": str(dtype),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "model": cfg.model_type,
+    }
 
     def save():
         (out / "stage_gpu.json").write_text(json.dumps(r, indent=1))
@@ -270,8 +294,15 @@ def main(argv=None) -> None:
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     try:
-        r["stage"] = bench_stage(cfg, dev, dtype, min(a.context, 256) if a.tiny else a.context,
-                                 [int(x) for x in a.batches.split(",")], a.steps, not a.no_compile)
+        r["stage"] = bench_stage(
+            cfg,
+            dev,
+            dtype,
+            min(a.context, 256) if a.tiny else a.context,
+            [int(x) for x in a.batches.split(",")],
+            a.steps,
+            not a.no_compile,
+        )
     except Exception:  # noqa: BLE001
         r["stage_error"] = traceback.format_exc()[-2000:]
     save()

@@ -12,6 +12,7 @@ after a warm-up step; the figure is tokens/s over `--steps` decode steps (batch 
 best of `--repeats` runs (the host is shared: the best run is the least disturbed one). Both run in
 `--dtype` (float32 by default: the CPU's fast path for torch; mlx casts its float weights the same way).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,26 +68,50 @@ print("RESULT " + json.dumps(out))
 
 def mlx_decode(model: str, vocab: int, batches, steps, prompt, repeats, dtype, python=MLX_PY) -> list[dict]:
     if not Path(python).exists():
-        raise SystemExit(f"{python}: no mlx-lm environment (python -m venv /work/venv-mlx && /work/venv-mlx/bin/pip "
-                         f"install 'mlx[cpu]==0.32.4' mlx-lm==0.32.2, or --mlx-python PATH)")
-    args = json.dumps({"model": model, "vocab": vocab, "batches": batches, "steps": steps, "prompt": prompt,
-                       "repeats": repeats, "dtype": dtype})
-    r = subprocess.run([python, "-c", MLX_SCRIPT, args], capture_output=True, text=True, timeout=3600,
-                       env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+        raise SystemExit(
+            f"{python}: no mlx-lm environment (python -m venv /work/venv-mlx && /work/venv-mlx/bin/pip "
+            f"install 'mlx[cpu]==0.32.4' mlx-lm==0.32.2, or --mlx-python PATH)"
+        )
+    args = json.dumps(
+        {
+            "model": model,
+            "vocab": vocab,
+            "batches": batches,
+            "steps": steps,
+            "prompt": prompt,
+            "repeats": repeats,
+            "dtype": dtype,
+        }
+    )
+    r = subprocess.run(
+        [python, "-c", MLX_SCRIPT, args],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
     line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
     if r.returncode or not line:
         raise SystemExit(f"mlx-lm run failed (rc {r.returncode}):\n{r.stderr[-3000:]}")
-    return json.loads(line[0][len("RESULT "):])
+    return json.loads(line[0][len("RESULT ") :])
 
 
-def p2pk3_decode(model: str, batches, steps, prompt, repeats, dtype, compile: bool,
-                 dequant: bool = False) -> tuple[list[dict], float]:
+def p2pk3_decode(
+    model: str, batches, steps, prompt, repeats, dtype, compile: bool, dequant: bool = False
+) -> tuple[list[dict], float]:
     """Rows of tokens/s, and the seconds the first decode step of each batch size took (the compile)."""
     from p2pk3.engine.reference import Pipeline
     from p2pk3.model.cache import Span
 
-    pipe = Pipeline.load(model, 1, dtype=dtype, compile=compile, dequant_experts=dequant, max_sessions=max(batches),
-                         max_tokens=max(batches) * (prompt + steps + 8) * (repeats + 1))
+    pipe = Pipeline.load(
+        model,
+        1,
+        dtype=dtype,
+        compile=compile,
+        dequant_experts=dequant,
+        max_sessions=max(batches),
+        max_tokens=max(batches) * (prompt + steps + 8) * (repeats + 1),
+    )
     vocab = pipe.cfg.vocab_size
     rows, first = [], 0.0
     for b in batches:
@@ -116,6 +141,7 @@ def p2pk3_decode(model: str, batches, steps, prompt, repeats, dtype, compile: bo
 def checkpoints(tmp: Path, names: list[str]) -> dict[str, str]:
     from p2pk3.checkpoint.tiny import write_checkpoint
     from p2pk3.model.config import preset
+
     out = {}
     for n in names:
         d = tmp / n
@@ -139,22 +165,29 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     batches = [int(x) for x in a.batches.split(",")]
     from p2pk3.model.config import K3Config
+
     tmp = tempfile.TemporaryDirectory()
     names = [m for m in a.models.split(",") if not Path(m).is_dir()]
     dirs = {**checkpoints(Path(tmp.name), names), **{m: m for m in a.models.split(",") if Path(m).is_dir()}}
-    print(f"host: {os.cpu_count()} cpus, load {os.getloadavg()[0]:.2f}, torch {torch.__version__}, dtype {a.dtype}, "
-          f"prompt {a.prompt}, {a.steps} steps, best of {a.repeats}")
+    print(
+        f"host: {os.cpu_count()} cpus, load {os.getloadavg()[0]:.2f}, torch {torch.__version__}, dtype {a.dtype}, "
+        f"prompt {a.prompt}, {a.steps} steps, best of {a.repeats}"
+    )
     report = {}
     for name, d in dirs.items():
         cfg = K3Config.from_pretrained(d)
         peer = mlx_decode(d, cfg.vocab_size, batches, a.steps, a.prompt, a.repeats, a.dtype, a.mlx_python)
-        runs = {"eager": p2pk3_decode(d, batches, a.steps, a.prompt, a.repeats, a.dtype, compile=False)[0],
-                "eager, experts dequantized at load":
-                    p2pk3_decode(d, batches, a.steps, a.prompt, a.repeats, a.dtype, compile=False, dequant=True)[0]}
+        runs = {
+            "eager": p2pk3_decode(d, batches, a.steps, a.prompt, a.repeats, a.dtype, compile=False)[0],
+            "eager, experts dequantized at load": p2pk3_decode(
+                d, batches, a.steps, a.prompt, a.repeats, a.dtype, compile=False, dequant=True
+            )[0],
+        }
         comp_first = 0.0
         if a.compile:
             runs["compiled, experts dequantized at load"], comp_first = p2pk3_decode(
-                d, batches, a.steps, a.prompt, a.repeats, a.dtype, compile=True, dequant=True)
+                d, batches, a.steps, a.prompt, a.repeats, a.dtype, compile=True, dequant=True
+            )
         report[name] = {"p2pk3": runs, "compile_s": comp_first, "mlx": peer}
         print(f"{name} ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_experts} experts):")
         for i, b in enumerate(batches):
@@ -168,6 +201,7 @@ def main(argv=None) -> None:
         if a.ops:
             sys.path.insert(0, str(Path(__file__).resolve().parent))
             from count_ops import count, print_counts
+
             r = count(d, 1)
             report[name]["ops"] = r
             print_counts("  aten ops, torch path, batch 1", r)

@@ -18,6 +18,7 @@ On the Triton path each kernel launch counts as one compute op, and the aten ops
 are left out (under TRITON_INTERPRET=1 the interpreter copies every tensor argument to the host and back:
 those copies do not exist on a GPU).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,10 +34,42 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 VIEWS = {
-    "view", "reshape", "_reshape_alias", "as_strided", "slice", "select", "unsqueeze", "squeeze", "expand",
-    "transpose", "t", "permute", "alias", "detach", "unflatten", "flatten", "split", "split_with_sizes", "chunk",
-    "narrow", "unbind", "_unsafe_view", "lift_fresh", "view_as", "expand_as", "numpy_T", "contiguous",
-    "result_type", "is_nonzero", "resolve_conj", "resolve_neg", "_local_scalar_dense_view", "diagonal", "movedim", "unfold", "index_select_view",
+    "view",
+    "reshape",
+    "_reshape_alias",
+    "as_strided",
+    "slice",
+    "select",
+    "unsqueeze",
+    "squeeze",
+    "expand",
+    "transpose",
+    "t",
+    "permute",
+    "alias",
+    "detach",
+    "unflatten",
+    "flatten",
+    "split",
+    "split_with_sizes",
+    "chunk",
+    "narrow",
+    "unbind",
+    "_unsafe_view",
+    "lift_fresh",
+    "view_as",
+    "expand_as",
+    "numpy_T",
+    "contiguous",
+    "result_type",
+    "is_nonzero",
+    "resolve_conj",
+    "resolve_neg",
+    "_local_scalar_dense_view",
+    "diagonal",
+    "movedim",
+    "unfold",
+    "index_select_view",
 }
 ALLOCS = {"empty", "empty_strided", "empty_like", "zeros_like_alloc", "resize_", "set_", "_empty_affine_quantized"}
 CASTS = {"to", "_to_copy"}
@@ -47,9 +80,11 @@ def mark_triton_launches() -> None:
     """Wrap every Triton kernel launch (compiled or interpreted) in a profiler range named LAUNCH."""
     from torch.profiler import record_function
     from triton.runtime.jit import JITFunction
+
     classes = [JITFunction]
     try:
         from triton.runtime.interpreter import InterpretedFunction
+
         classes.append(InterpretedFunction)
     except ImportError:
         pass
@@ -61,6 +96,7 @@ def mark_triton_launches() -> None:
         def counted(self, *a, _run=run, **k):
             with record_function(LAUNCH):
                 return _run(self, *a, **k)
+
         counted._counted = True
         cls.run = counted
 
@@ -80,7 +116,7 @@ def classify(events) -> dict[str, int]:
     ev = [e for e in events if e.name.startswith("aten::") and not _in_launch(e)]
     out = {"all": len(ev) + launches, "compute": launches, "casts": 0}
     for e in ev:
-        name = e.name[len("aten::"):]
+        name = e.name[len("aten::") :]
         if name in CASTS:
             out["casts"] += 1
         leaf = not any(c.name.startswith("aten::") for c in e.cpu_children)
@@ -141,19 +177,26 @@ def print_counts(label: str, r: dict) -> None:
     for k in ("KDA", "MLA", "MoE", "dense"):
         if k in r["per_kind"]:
             c = r["per_kind"][k]
-            print(f"  {k:5s} x{r['layers'][k]}  per layer: all {c['all']:7.0f}  compute {c['compute']:6.0f}  "
-                  f"casts {c['casts']:4.0f}")
+            print(
+                f"  {k:5s} x{r['layers'][k]}  per layer: all {c['all']:7.0f}  compute {c['compute']:6.0f}  "
+                f"casts {c['casts']:4.0f}"
+            )
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="checkpoint directory (default: a tiny K3, seed 0)")
-    ap.add_argument("--kernels", choices=("torch", "triton"), default="torch",
-                    help="triton on the CPU needs TRITON_INTERPRET=1 in the environment")
+    ap.add_argument(
+        "--kernels",
+        choices=("torch", "triton"),
+        default="torch",
+        help="triton on the CPU needs TRITON_INTERPRET=1 in the environment",
+    )
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--json", help="write the counts here")
     a = ap.parse_args(argv)
     from p2pk3_kernels import ops
+
     ops.force(a.kernels)
     if a.kernels == "triton":
         mark_triton_launches()
@@ -162,6 +205,7 @@ def main(argv=None) -> None:
     if model is None:
         from p2pk3.checkpoint.tiny import write_checkpoint
         from p2pk3.model.config import TINY_K3
+
         tmp = tempfile.TemporaryDirectory()
         write_checkpoint(tmp.name, TINY_K3, seed=0)
         model = tmp.name

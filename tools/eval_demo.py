@@ -19,6 +19,7 @@
 
 Results: `eval.json` and `quality.md` (markdown tables pasted into docs/quality.md) in --run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,9 +44,11 @@ ROOT = Path(__file__).resolve().parents[1]
 OLD = ROOT / "p2pk3" / "assets" / "tiny-k3-pydoc"
 CUT = 2000
 MAX_NEW = 64
-STOP = set("the and for are with that this from not but you can its has have was were will which when into "
-           "than then also any all one two may use used using does what there their them they these those "
-           "such each other more most some only been being how who why where".split())
+STOP = set(
+    "the and for are with that this from not but you can its has have was were will which when into "
+    "than then also any all one two may use used using does what there their them they these those "
+    "such each other more most some only been being how who why where".split()
+)
 
 
 def byte_lengths(model_dir: str | Path, vocab: int) -> torch.Tensor:
@@ -73,17 +76,22 @@ def score(stage, ids: list[int], T: int, blen: torch.Tensor, max_windows: int | 
     n_win = (len(ids) - 1) // T
     if max_windows is not None:
         n_win = min(n_win, max_windows)
-    xs = torch.tensor([ids[w * T: w * T + T + 1] for w in range(n_win)], dtype=torch.long)
+    xs = torch.tensor([ids[w * T : w * T + T + 1] for w in range(n_win)], dtype=torch.long)
     tot = 0.0
     with torch.inference_mode():
         for i in range(0, n_win, batch):
-            xb = xs[i:i + batch]
+            xb = xs[i : i + batch]
             lg = forward_batch(stage, xb[:, :-1])
             tot += float(F.cross_entropy(lg.float(), xb[:, 1:].reshape(-1), reduction="sum"))
     tgt = xs[:, 1:].reshape(-1)
     nbytes = float(blen[tgt].sum())
-    return {"ppl": math.exp(tot / tgt.numel()), "bpb": tot / math.log(2) / nbytes, "tokens": int(tgt.numel()),
-            "bytes": int(nbytes), "window": T}
+    return {
+        "ppl": math.exp(tot / tgt.numel()),
+        "bpb": tot / math.log(2) / nbytes,
+        "tokens": int(tgt.numel()),
+        "bytes": int(nbytes),
+        "window": T,
+    }
 
 
 def content_words(s: str) -> list[str]:
@@ -125,8 +133,11 @@ def evaluate_export(run: str | Path, export_dir: str | Path, master, state: dict
     held = eval_stream(tok, split["heldout"])
     shipped = load_shipped(export_dir)
     m: dict = {"params_m": sum(p.numel() for p in master.parameters()) / 1e6}
-    m["heldout"] = {"master": score(master, held, T, blen), "mxfp4": score(shipped, held, T, blen),
-                    "mxfp4_bf16": score(load_shipped(export_dir, torch.bfloat16), held, T, blen)}
+    m["heldout"] = {
+        "master": score(master, held, T, blen),
+        "mxfp4": score(shipped, held, T, blen),
+        "mxfp4_bf16": score(load_shipped(export_dir, torch.bfloat16), held, T, blen),
+    }
     m["heldout_docs"] = sorted(split["heldout"])
     train_ids = [t for v in split["train"].values() for t in tok.encode(v[:CUT])]
     counts = torch.bincount(torch.tensor(train_ids), minlength=tok.vocab_size).double() + 1
@@ -140,18 +151,26 @@ def evaluate_export(run: str | Path, export_dir: str | Path, master, state: dict
     if ring:
         n_win = 16
         prompts = [tok.apply_chat_template([{"role": "user", "content": q["question"]}]) for q in qs]
-        ring_ppl, outs = ring_eval(export_dir, held[: n_win * T + 1], T, ring, prompts,
-                                   [{tok.im_end_id, tok.eos_id}] * len(qs), MAX_NEW)
+        ring_ppl, outs = ring_eval(
+            export_dir, held[: n_win * T + 1], T, ring, prompts, [{tok.im_end_id, tok.eos_id}] * len(qs), MAX_NEW
+        )
         one = score(shipped, held, T, blen, max_windows=n_win)
         answers_ring = [tok.decode([t for t in o if t not in (tok.im_end_id, tok.eos_id)]).strip() for o in outs]
-        m["ring"] = {"nodes": ring, "windows": n_win, "ppl_one_process": one["ppl"], "ppl_ring": ring_ppl,
-                     "answers_identical": answers_ring == [q["answer"] for q in qs]}
-    m["train"] = {"minutes": {k: v / 60 for k, v in state["elapsed"].items()},
-                  "steps": {k: len(v["step"]) for k, v in state["hist"].items()},
-                  "tokens_seen_pretrain": len(state["hist"]["pretrain"]["step"]) * a.batch * a.seq,
-                  "final_train_loss": statistics.mean(state["hist"]["pretrain"]["loss"][-20:]),
-                  "val_loss": state["hist"]["pretrain"]["val_loss"][-1],
-                  "chat_val_answer_loss": state["hist"]["chat"]["val_loss"][-1] if state["hist"]["chat"]["val_loss"] else None}
+        m["ring"] = {
+            "nodes": ring,
+            "windows": n_win,
+            "ppl_one_process": one["ppl"],
+            "ppl_ring": ring_ppl,
+            "answers_identical": answers_ring == [q["answer"] for q in qs],
+        }
+    m["train"] = {
+        "minutes": {k: v / 60 for k, v in state["elapsed"].items()},
+        "steps": {k: len(v["step"]) for k, v in state["hist"].items()},
+        "tokens_seen_pretrain": len(state["hist"]["pretrain"]["step"]) * a.batch * a.seq,
+        "final_train_loss": statistics.mean(state["hist"]["pretrain"]["loss"][-20:]),
+        "val_loss": state["hist"]["pretrain"]["val_loss"][-1],
+        "chat_val_answer_loss": state["hist"]["chat"]["val_loss"][-1] if state["hist"]["chat"]["val_loss"] else None,
+    }
     m["data"] = {k: {"documents": len(v), "chars": sum(len(t) for t in v.values())} for k, v in split.items()}
     m["chat_pairs_train"] = len(doc_corpus.qa_pairs(split["train"]))
     m["args"] = vars(a)
@@ -211,7 +230,9 @@ def decode_bench(old_dir: str, new_dir: str, new_tokens: int = 48) -> dict:
                 runs[name].append(_decode_tps(d, sessions, new_tokens, 4))
         o, n = statistics.mean(runs["old"]), statistics.mean(runs["new"])
         out[f"sessions_{sessions}"] = {"old_tps": runs["old"], "new_tps": runs["new"], "ratio_new_old": n / o}
-        print(f"decode through a 4-node ring, {sessions} session(s): old {o:.1f} tok/s new {n:.1f} tok/s ratio {n / o:.2f}")
+        print(
+            f"decode through a 4-node ring, {sessions} session(s): old {o:.1f} tok/s new {n:.1f} tok/s ratio {n / o:.2f}"
+        )
     out["date"] = time.strftime("%Y-%m-%d %H:%M")
     return out
 
@@ -224,24 +245,44 @@ def _cell(s: str, n: int = 220) -> str:
 def markdown(m: dict, res: dict) -> str:
     h = m["heldout"]
     o = res["old"]
-    lines = [f"Held-out documents: {len(m['heldout_docs'])} (first {CUT} characters of each).", "",
-             "| model | window | tokens scored | perplexity | bits per byte |", "|---|---|---|---|---|"]
-    lines.append(f"| old tiny-k3-pydoc (export) | 128 | {o['w128']['tokens']} | {o['w128']['ppl']:.1f} | {o['w128']['bpb']:.3f} |")
-    lines.append(f"| old tiny-k3-pydoc (export) | 256 | {o['w256']['tokens']} | {o['w256']['ppl']:.1f} | {o['w256']['bpb']:.3f} |")
+    lines = [
+        f"Held-out documents: {len(m['heldout_docs'])} (first {CUT} characters of each).",
+        "",
+        "| model | window | tokens scored | perplexity | bits per byte |",
+        "|---|---|---|---|---|",
+    ]
+    lines.append(
+        f"| old tiny-k3-pydoc (export) | 128 | {o['w128']['tokens']} | {o['w128']['ppl']:.1f} | {o['w128']['bpb']:.3f} |"
+    )
+    lines.append(
+        f"| old tiny-k3-pydoc (export) | 256 | {o['w256']['tokens']} | {o['w256']['ppl']:.1f} | {o['w256']['bpb']:.3f} |"
+    )
     nw = res["new_w128"]
     lines.append(f"| new, export | 128 | {nw['tokens']} | {nw['ppl']:.1f} | {nw['bpb']:.3f} |")
-    for k, label in (("master", "new, fp32 masters (QAT forward)"), ("mxfp4", "new, export (bf16 + MXFP4), fp32 compute"),
-                     ("mxfp4_bf16", "new, export, bf16 compute")):
+    for k, label in (
+        ("master", "new, fp32 masters (QAT forward)"),
+        ("mxfp4", "new, export (bf16 + MXFP4), fp32 compute"),
+        ("mxfp4_bf16", "new, export, bf16 compute"),
+    ):
         r = h[k]
         lines.append(f"| {label} | {r['window']} | {r['tokens']} | {r['ppl']:.1f} | {r['bpb']:.3f} |")
     if "ring" in m:
         r = m["ring"]
-        lines += ["", f"Through a {r['nodes']}-node local ring vs one process, first {r['windows']} windows: perplexity "
-                  f"{r['ppl_ring']:.4f} vs {r['ppl_one_process']:.4f}; the 20 greedy answers identical: {r['answers_identical']}."]
-    lines += ["", "| | question | new model (greedy) | score | old model (greedy) | score |", "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"Through a {r['nodes']}-node local ring vs one process, first {r['windows']} windows: perplexity "
+            f"{r['ppl_ring']:.4f} vs {r['ppl_one_process']:.4f}; the 20 greedy answers identical: {r['answers_identical']}.",
+        ]
+    lines += [
+        "",
+        "| | question | new model (greedy) | score | old model (greedy) | score |",
+        "|---|---|---|---|---|---|",
+    ]
     for q, oa in zip(m["questions"], res["old_answers"]):
-        lines.append(f"| {q['kind']} | {_cell(q['question'], 80)} | {_cell(q['answer'])} | {q['score']:.2f} | "
-                     f"{_cell(oa['answer'])} | {oa['score']:.2f} |")
+        lines.append(
+            f"| {q['kind']} | {_cell(q['question'], 80)} | {_cell(q['answer'])} | {q['score']:.2f} | "
+            f"{_cell(oa['answer'])} | {oa['score']:.2f} |"
+        )
     for kind in ("held-out", "in-domain"):
         ns = [q["score"] for q in m["questions"] if q["kind"] == kind]
         os_ = [a["score"] for q, a in zip(m["questions"], res["old_answers"]) if q["kind"] == kind]
@@ -250,11 +291,17 @@ def markdown(m: dict, res: dict) -> str:
     for q in m["questions"]:
         lines.append(f"- {q['kind']} `{q['doc']}` — {_cell(q['question'], 80)}: {_cell(q['reference'], 400)}")
     if "bench" in res:
-        lines += ["", "| decode through `p2pk3 local --nodes 4` (loopback) | old tok/s | new tok/s | new / old |", "|---|---|---|---|"]
+        lines += [
+            "",
+            "| decode through `p2pk3 local --nodes 4` (loopback) | old tok/s | new tok/s | new / old |",
+            "|---|---|---|---|",
+        ]
         for s in (1, 4):
             b = res["bench"][f"sessions_{s}"]
-            lines.append(f"| {s} session(s), 48 new tokens, mean of 2 alternating runs | {statistics.mean(b['old_tps']):.1f} | "
-                         f"{statistics.mean(b['new_tps']):.1f} | {b['ratio_new_old']:.2f}× |")
+            lines.append(
+                f"| {s} session(s), 48 new tokens, mean of 2 alternating runs | {statistics.mean(b['old_tps']):.1f} | "
+                f"{statistics.mean(b['new_tps']):.1f} | {b['ratio_new_old']:.2f}× |"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -14,6 +14,7 @@ tables of docs/quality.md ("Weight formats of the non-expert matrices").
 
     python -m tools.formats_quality [--quick] [--json OUT]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,6 +51,7 @@ def k3_class_params() -> dict[str, int]:
     are a gather and are not counted as read)."""
     from p2pk3.model.config import KIMI_K3 as cfg
     from p2pk3.model.weights import head_tensors, layer_tensors
+
     out = {c: 0 for c in TENSOR_CLASSES}
     out["other"] = 0
     specs = dict(head_tensors(cfg))
@@ -88,10 +90,21 @@ def tiny_perplexities(model_dir: Path, configs, T: int = 128) -> list[dict]:
         tot, cnt = nll_windows(stage, held, T)
         ppl = math.exp(tot / cnt)
         base = ppl if base is None else base
-        rows.append({"config": label, "formats": format_spec(fm), "ppl": ppl, "vs_shipped": ppl / base - 1,
-                     "tokens": cnt, "seconds": time.perf_counter() - t0})
-        print(f"  {label:<55} ppl {ppl:8.3f} ({100 * (ppl / base - 1):+.2f}%)  [{cnt} tokens, "
-              f"{time.perf_counter() - t0:.1f} s]", flush=True)
+        rows.append(
+            {
+                "config": label,
+                "formats": format_spec(fm),
+                "ppl": ppl,
+                "vs_shipped": ppl / base - 1,
+                "tokens": cnt,
+                "seconds": time.perf_counter() - t0,
+            }
+        )
+        print(
+            f"  {label:<55} ppl {ppl:8.3f} ({100 * (ppl / base - 1):+.2f}%)  [{cnt} tokens, "
+            f"{time.perf_counter() - t0:.1f} s]",
+            flush=True,
+        )
     return rows
 
 
@@ -99,6 +112,7 @@ def tiny_perplexities(model_dir: Path, configs, T: int = 128) -> list[dict]:
 def k3_matrices() -> list[tuple[str, str, int, int]]:
     """(class, name, in, out) of representative K3 matrices (KIMI_K3 preset)."""
     from p2pk3.model.config import KIMI_K3 as c
+
     D, HK = c.hidden_size, c.kda_num_heads * c.kda_head_dim
     H = c.num_attention_heads
     return [
@@ -134,6 +148,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _mx_matmul(x: torch.Tensor, w: torch.Tensor, fmt: str) -> torch.Tensor:
     from p2pk3_kernels import ops
+
     d, s = quantize_weight(w, fmt)
     return ops.mx_linear(x, d, s, fmt)
 
@@ -150,14 +165,23 @@ def random_layer_errors(rows: int, tokens: int, seed: int = 0, dists=("gauss", "
             for fmt in ("mxfp8", "mxfp4"):
                 r[f"{fmt}_{dist}"] = _rel(_mx_matmul(x, w, fmt), ref)
         out.append(r)
-        print(f"  {name:<30} {k:>6} -> {n:<6} " + "  ".join(f"{kk} {100 * v:.2f}%" for kk, v in r.items()
-                                                            if kk.startswith("mx")), flush=True)
+        print(
+            f"  {name:<30} {k:>6} -> {n:<6} "
+            + "  ".join(f"{kk} {100 * v:.2f}%" for kk, v in r.items() if kk.startswith("mx")),
+            flush=True,
+        )
     # one whole shared expert: down(SiTU-GLU(gate x, up x)), the down rows capped
     from p2pk3.model.config import KIMI_K3 as c
     from p2pk3_kernels.mxfp4_moe_ref import glu_act
+
     D, S = c.hidden_size, c.num_shared_experts * c.moe_intermediate_size
-    r = {"class": "shared_experts", "matrix": "whole shared expert (SiTU-GLU)", "in": D, "out": D,
-         "rows_kept": min(rows, D)}
+    r = {
+        "class": "shared_experts",
+        "matrix": "whole shared expert (SiTU-GLU)",
+        "in": D,
+        "out": D,
+        "rows_kept": min(rows, D),
+    }
     x = torch.randn(tokens, D, generator=gen)
     for dist in dists:
         wg, wu, wd = _weights(S, D, dist, gen), _weights(S, D, dist, gen), _weights(min(rows, D), S, dist, gen)
@@ -169,8 +193,10 @@ def random_layer_errors(rows: int, tokens: int, seed: int = 0, dists=("gauss", "
             h = act(_mx_matmul(x, wg, fmt), _mx_matmul(x, wu, fmt))
             r[f"{fmt}_{dist}"] = _rel(_mx_matmul(h, wd, fmt), ref)
     out.append(r)
-    print(f"  {r['matrix']:<30} " + "  ".join(f"{kk} {100 * v:.2f}%" for kk, v in r.items() if kk.startswith("mx")),
-          flush=True)
+    print(
+        f"  {r['matrix']:<30} " + "  ".join(f"{kk} {100 * v:.2f}%" for kk, v in r.items() if kk.startswith("mx")),
+        flush=True,
+    )
     return out
 
 
@@ -186,18 +212,28 @@ def markdown(tiny: list[dict], layers: list[dict], params: dict[str, int]) -> st
         vals = [f"{p * BYTES_PER_PARAM[f] / 1e9:.2f}" for f in fm] + ([] if c != "other" else ["(stays)", "(stays)"])
         lines.append(f"| {c} | {p / 1e9:.2f} B | " + " | ".join(vals) + " |")
     if tiny:
-        lines += ["", "| formats (tiny-k3-pydoc, fp32 compute) | held-out perplexity | vs as shipped | "
-                      "K3 non-expert GB / token |", "|---|---|---|---|"]
+        lines += [
+            "",
+            "| formats (tiny-k3-pydoc, fp32 compute) | held-out perplexity | vs as shipped | "
+            "K3 non-expert GB / token |",
+            "|---|---|---|---|",
+        ]
         for r in tiny:
             fm = dict(kv.split("=") for kv in r["formats"].split(",")) if r["formats"] else {}
-            lines.append(f"| {r['config']} | {r['ppl']:.2f} | {100 * r['vs_shipped']:+.2f}% | "
-                         f"{k3_token_gb(params, fm):.1f} |")
+            lines.append(
+                f"| {r['config']} | {r['ppl']:.2f} | {100 * r['vs_shipped']:+.2f}% | {k3_token_gb(params, fm):.1f} |"
+            )
     if layers:
-        lines += ["", "| class | K3 matrix | in -> out | MXFP8 (Gaussian) | MXFP4 (Gaussian) | MXFP8 (t, 4 dof) | "
-                      "MXFP4 (t, 4 dof) |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| class | K3 matrix | in -> out | MXFP8 (Gaussian) | MXFP4 (Gaussian) | MXFP8 (t, 4 dof) | "
+            "MXFP4 (t, 4 dof) |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for r in layers:
-            cells = " | ".join(f"{100 * r.get(k, float('nan')):.2f}%" for k in
-                               ("mxfp8_gauss", "mxfp4_gauss", "mxfp8_t4", "mxfp4_t4"))
+            cells = " | ".join(
+                f"{100 * r.get(k, float('nan')):.2f}%" for k in ("mxfp8_gauss", "mxfp4_gauss", "mxfp8_t4", "mxfp4_t4")
+            )
             lines.append(f"| {r['class']} | {r['matrix']} | {r['in']} -> {r['out']} | {cells} |")
     return "\n".join(lines)
 
@@ -214,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     from p2pk3.engine.reference import default_model_dir
+
     model_dir = Path(a.model) if a.model else default_model_dir()
     params = k3_class_params()
     tiny, layers = [], []
@@ -223,12 +260,17 @@ def main(argv: list[str] | None = None) -> int:
         tiny = tiny_perplexities(model_dir, cfgs)
     if not a.skip_layers:
         print("relative output error of random K3-shaped matrices:", flush=True)
-        layers = random_layer_errors(64 if a.quick else a.rows, a.tokens, dists=("gauss",) if a.quick else ("gauss", "t4"))
+        layers = random_layer_errors(
+            64 if a.quick else a.rows, a.tokens, dists=("gauss",) if a.quick else ("gauss", "t4")
+        )
     print()
     print(markdown(tiny, layers, params))
     if a.json:
-        Path(a.json).write_text(json.dumps({"tiny": tiny, "layers": layers, "k3_params": params,
-                                            "bytes_per_param": BYTES_PER_PARAM}, indent=1))
+        Path(a.json).write_text(
+            json.dumps(
+                {"tiny": tiny, "layers": layers, "k3_params": params, "bytes_per_param": BYTES_PER_PARAM}, indent=1
+            )
+        )
     return 0
 
 

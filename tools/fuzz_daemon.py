@@ -17,6 +17,7 @@ Printed at the end: frames sent by category, daemon crashes (processes that exit
 (VmRSS) before and after (after a pause), sessions checked against the reference, unexpected exceptions
 in the daemon logs, and whether every daemon still serves a new request. Exit status 1 on any failure.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,10 @@ from p2pk3.transport.messages import ping_frame  # noqa: E402
 PROMPTS = [[5, 17, 300, 42, 42, 7, 99], [123, 511, 0, 1, 2, 3, 250, 260, 270, 280, 14], [9, 8, 7, 6]]
 SESSION_TOKENS = 12
 # daemon log lines that mean a bug (an exception a handler did not turn into a ProtocolError, a crash)
-BAD_LOG = re.compile(r"handler failed|Task exception was never retrieved|Exception in callback|"
-                     r"Fatal error|MemoryError|crashed|Traceback")
+BAD_LOG = re.compile(
+    r"handler failed|Task exception was never retrieved|Exception in callback|"
+    r"Fatal error|MemoryError|crashed|Traceback"
+)
 # ... except the one traceback that is logged by design: a well-formed hop the stage cannot compute
 EXPECTED_TB = re.compile(r"unexpected failure of a batch")
 
@@ -81,6 +84,7 @@ class Stats:
 
 def _segments(f):
     from p2pk3.transport.messages import parse_forward
+
     try:
         return parse_forward(f).segments
     except Exception:  # noqa: BLE001
@@ -230,14 +234,23 @@ async def auth_worker(wid, addrs, secret, fz: fuzzing.FrameFuzzer, target, budge
                 continue
             p.used += 1
             stats.auth += 1
-            stats.sent[item.category.split(":")[0] if not item.category.startswith(("bomb", "prefix", "truncated"))
-                       else item.category] += 1
-            opened = [(s.session, s.epoch) for f in v.frames if f.kind == "forward" and not v.rejected
-                      for s in _segments(f) if s.start_pos == 0]
+            stats.sent[
+                item.category.split(":")[0]
+                if not item.category.startswith(("bomb", "prefix", "truncated"))
+                else item.category
+            ] += 1
+            opened = [
+                (s.session, s.epoch)
+                for f in v.frames
+                if f.kind == "forward" and not v.rejected
+                for s in _segments(f)
+                if s.start_pos == 0
+            ]
             if opened:
                 # a well-formed hop at position 0 opens its (made-up) session on the stage, which never
                 # expires there (see the report): free it, as the entry would (frees queue behind the work)
                 from p2pk3.transport.messages import free_frame
+
                 try:
                     await p.sync()  # the daemon has taken the frame (and queued its work) first
                     if p.conn is None or p.conn.closed:
@@ -302,8 +315,11 @@ async def raw_worker(addrs, fz: fuzzing.FrameFuzzer, budget: Budget, stats: Stat
             if w.can_write_eof():
                 w.write_eof()
             stats.raw += 1
-            stats.sent[item.category if item.category.startswith("raw_bomb") or item.category.startswith("raw_prefix")
-                       else item.category.split(":")[0]] += 1
+            stats.sent[
+                item.category
+                if item.category.startswith("raw_bomb") or item.category.startswith("raw_prefix")
+                else item.category.split(":")[0]
+            ] += 1
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:  # the server closes (handshake failed / EOF) within its 5 s timeout
                 try:
@@ -323,6 +339,7 @@ async def raw_worker(addrs, fz: fuzzing.FrameFuzzer, budget: Budget, stats: Stat
 
 async def session_lane(lane, ring, reference: dict, stop: asyncio.Event, stats: Stats):
     from p2pk3.params import SamplingParams
+
     c = await ring.client()
     try:
         k = lane
@@ -355,6 +372,7 @@ async def watch(ring, stop: asyncio.Event, stats: Stats):
 def reference_tokens(model_dir) -> dict:
     from p2pk3.engine.reference import Pipeline
     from p2pk3.params import SamplingParams
+
     pipe = Pipeline.load(model_dir, 1, max_sessions=8, max_tokens=4096)
     return {tuple(p): pipe.generate([p], SamplingParams(max_tokens=SESSION_TOKENS))[0] for p in PROMPTS}
 
@@ -384,6 +402,7 @@ async def still_serving(ring, reference) -> dict:
     no stage holds a leftover session."""
     from p2pk3.node.local import probe
     from p2pk3.params import SamplingParams
+
     st = await ring.statuses()
     c = await ring.client()
     try:
@@ -393,15 +412,31 @@ async def still_serving(ring, reference) -> dict:
         c.close()
     await asyncio.sleep(0.5)
     st2 = {s: await probe(ring.address(s), ring.secret, 2.0) for s in ring.procs}
-    return {"status": {s: (v or {}).get("role") for s, v in st.items()}, "new_session_ok": r.tokens == reference[tuple(p)],
-            "sessions_held": {s: (v or {}).get("sessions") for s, v in st2.items()}}
+    return {
+        "status": {s: (v or {}).get("role") for s, v in st.items()},
+        "new_session_ok": r.tokens == reference[tuple(p)],
+        "sessions_held": {s: (v or {}).get("sessions") for s, v in st2.items()},
+    }
 
 
-async def fuzz_ring(ring, reference: dict, frames: int, *, auth_share: float = 0.5, seed: int = 0,
-                    auth_workers: int = 3, raw_workers: int = 3, lanes: int = 2, warmup: int = 2000,
-                    pause_s: float = 3.0, progress: bool = False, on_baseline=None) -> dict:
+async def fuzz_ring(
+    ring,
+    reference: dict,
+    frames: int,
+    *,
+    auth_share: float = 0.5,
+    seed: int = 0,
+    auth_workers: int = 3,
+    raw_workers: int = 3,
+    lanes: int = 2,
+    warmup: int = 2000,
+    pause_s: float = 3.0,
+    progress: bool = False,
+    on_baseline=None,
+) -> dict:
     """The whole run against a started LocalRing. Returns the report (see main)."""
     from p2pk3.model.config import K3Config
+
     cfg = K3Config.from_pretrained(ring.model_dir)
     target = fuzzing.Target.for_topology(ring.topo, cfg)
     addrs = [ring.address(s.id) for s in ring.topo.active]
@@ -421,6 +456,7 @@ async def fuzz_ring(ring, reference: dict, frames: int, *, auth_share: float = 0
     await blast(warmup, Stats(), seed + 99991)
     c = await ring.client()
     from p2pk3.params import SamplingParams
+
     for p in PROMPTS:
         await c.generate(p, SamplingParams(max_tokens=SESSION_TOKENS))
     c.close()
@@ -434,13 +470,18 @@ async def fuzz_ring(ring, reference: dict, frames: int, *, auth_share: float = 0
     watcher = asyncio.create_task(watch(ring, stop, stats))
     prog = None
     if progress:
+
         async def report():
             while not stop.is_set():
                 await asyncio.sleep(15)
                 stats.rss_samples.append([round(time.time() - t0), [rss_kb(p) for p in pids.values()]])
-                print(f"[{time.time() - t0:6.0f}s] frames {stats.total} (auth {stats.auth}, raw {stats.raw}) "
-                      f"sessions ok {stats.sessions_ok} bad {len(stats.sessions_bad)} crashes {len(stats.crashes)} "
-                      f"rss {[rss_kb(p) for p in pids.values()]}", flush=True)
+                print(
+                    f"[{time.time() - t0:6.0f}s] frames {stats.total} (auth {stats.auth}, raw {stats.raw}) "
+                    f"sessions ok {stats.sessions_ok} bad {len(stats.sessions_bad)} crashes {len(stats.crashes)} "
+                    f"rss {[rss_kb(p) for p in pids.values()]}",
+                    flush=True,
+                )
+
         prog = asyncio.create_task(report())
     try:
         await blast(frames, stats, seed)
@@ -455,18 +496,35 @@ async def fuzz_ring(ring, reference: dict, frames: int, *, auth_share: float = 0
     rss_after = {sid: rss_kb(pid) if ring.procs[sid].poll() is None else 0 for sid, pid in pids.items()}
     serving = await still_serving(ring, reference) if not stats.crashes else {"new_session_ok": False}
     logs = scan_logs(ring)
-    return {"frames": stats.total, "auth_frames": stats.auth, "raw_frames": stats.raw, "elapsed_s": round(elapsed, 1),
-            "by_category": dict(sorted(_merge(stats.sent).items())), "withheld": dict(stats.withheld),
-            "closed_by_daemon": stats.rejected_by_daemon, "reconnects": stats.reconnects,
-            "transient_connect_failures": stats.transient_connect, "ghost_frees": stats.ghost_frees,
-            "rss_kb_samples": stats.rss_samples, "write_on_closed": stats.write_on_closed, "sync_pings": stats.pings,
-            "top_reasons": dict(stats.reasons.most_common(12)), "oracle_mismatch": dict(stats.oracle_mismatch),
-            "crashes": stats.crashes, "harness_errors": stats.errors[:10],
-            "rss_kb_before": rss_before, "rss_kb_after": rss_after,
-            "sessions_ok": stats.sessions_ok, "sessions_bad": stats.sessions_bad[:5], "n_sessions_bad": len(stats.sessions_bad),
-            "serving_after": serving, "unexpected_log_lines": dict(logs["bad_lines"].most_common(10)),
-            "n_unexpected_log_lines": sum(logs["bad_lines"].values()), "log_bytes": logs["log_bytes"],
-            "log_warnings": logs["warnings"]}
+    return {
+        "frames": stats.total,
+        "auth_frames": stats.auth,
+        "raw_frames": stats.raw,
+        "elapsed_s": round(elapsed, 1),
+        "by_category": dict(sorted(_merge(stats.sent).items())),
+        "withheld": dict(stats.withheld),
+        "closed_by_daemon": stats.rejected_by_daemon,
+        "reconnects": stats.reconnects,
+        "transient_connect_failures": stats.transient_connect,
+        "ghost_frees": stats.ghost_frees,
+        "rss_kb_samples": stats.rss_samples,
+        "write_on_closed": stats.write_on_closed,
+        "sync_pings": stats.pings,
+        "top_reasons": dict(stats.reasons.most_common(12)),
+        "oracle_mismatch": dict(stats.oracle_mismatch),
+        "crashes": stats.crashes,
+        "harness_errors": stats.errors[:10],
+        "rss_kb_before": rss_before,
+        "rss_kb_after": rss_after,
+        "sessions_ok": stats.sessions_ok,
+        "sessions_bad": stats.sessions_bad[:5],
+        "n_sessions_bad": len(stats.sessions_bad),
+        "serving_after": serving,
+        "unexpected_log_lines": dict(logs["bad_lines"].most_common(10)),
+        "n_unexpected_log_lines": sum(logs["bad_lines"].values()),
+        "log_bytes": logs["log_bytes"],
+        "log_warnings": logs["warnings"],
+    }
 
 
 async def _exchange(addr, secret, frames, *, name="fuzz-directed", until=None, timeout=20.0):
@@ -490,14 +548,20 @@ async def _exchange(addr, secret, frames, *, name="fuzz-directed", until=None, t
 async def _big_prompt(ring, entry, session_ok, errs) -> dict:
     from p2pk3.params import SamplingParams
     from p2pk3.transport.messages import GenerateRequest
+
     big = GenerateRequest(1, [1] * 1_000_000, SamplingParams(max_tokens=1)).frame()
     t0 = time.monotonic()
     normal = asyncio.create_task(session_ok())
-    got, closed = await _exchange(entry, ring.secret, [big], until=lambda g: any(f.kind in ("error", "done") for f in g),
-                                  timeout=120)
-    return {"reply": errs(got) or [f.kind for f in got][-1:], "closed": closed,
-            "reply_s": round(time.monotonic() - t0, 2), "concurrent_session_ok": await normal,
-            "session_ok_after": await session_ok()}
+    got, closed = await _exchange(
+        entry, ring.secret, [big], until=lambda g: any(f.kind in ("error", "done") for f in g), timeout=120
+    )
+    return {
+        "reply": errs(got) or [f.kind for f in got][-1:],
+        "closed": closed,
+        "reply_s": round(time.monotonic() - t0, 2),
+        "concurrent_session_ok": await normal,
+        "session_ok_after": await session_ok(),
+    }
 
 
 async def directed(ring, reference, big_prompt: bool = True) -> dict:
@@ -507,6 +571,7 @@ async def directed(ring, reference, big_prompt: bool = True) -> dict:
     from p2pk3.params import SamplingParams
     from p2pk3.transport.codec import Frame
     from p2pk3.transport.messages import GenerateRequest
+
     out: dict = {}
     entry, stage = ring.address(ring.topo.active[0].id), ring.address(ring.topo.active[-1].id)
     want = reference[tuple(PROMPTS[1])]
@@ -514,7 +579,9 @@ async def directed(ring, reference, big_prompt: bool = True) -> dict:
     async def session_ok():
         c = await ring.client()
         try:
-            return (await asyncio.wait_for(c.generate(PROMPTS[1], SamplingParams(max_tokens=SESSION_TOKENS)), 120)).tokens == want
+            return (
+                await asyncio.wait_for(c.generate(PROMPTS[1], SamplingParams(max_tokens=SESSION_TOKENS)), 120)
+            ).tokens == want
         finally:
             c.close()
 
@@ -527,26 +594,38 @@ async def directed(ring, reference, big_prompt: bool = True) -> dict:
 
     # 2. 65 concurrent requests on one connection (MAX_REQUESTS_PER_CONNECTION = 64; max_sessions 32)
     reqs = [GenerateRequest(i + 1, [3, 4, 5], SamplingParams(max_tokens=2000)).frame() for i in range(65)]
-    got, closed = await _exchange(entry, ring.secret, reqs, until=lambda g: sum(f.kind == "error" for f in g) >= 30,
-                                  timeout=30)
+    got, closed = await _exchange(
+        entry, ring.secret, reqs, until=lambda g: sum(f.kind == "error" for f in g) >= 30, timeout=30
+    )
     await asyncio.sleep(1.0)  # the connection is closed: its requests are cancelled
     st = await ring.statuses()
     e = collections.Counter(x.split(":")[0] for x in errs(got))
-    out["requests_65"] = {"errors": dict(e), "closed_by_daemon": closed, "live_after_close": st[ring.topo.active[0].id].get("live_sessions"),
-                          "session_ok_after": await session_ok()}
+    out["requests_65"] = {
+        "errors": dict(e),
+        "closed_by_daemon": closed,
+        "live_after_close": st[ring.topo.active[0].id].get("live_sessions"),
+        "session_ok_after": await session_ok(),
+    }
     dup = [GenerateRequest(7, [3, 4], SamplingParams(max_tokens=500)).frame()] * 2
     got, closed = await _exchange(entry, ring.secret, dup, timeout=5)
     out["duplicate_request_id"] = {"errors": errs(got), "closed": closed}
     # 3. takeover sent to active (non-standby) slots: refused
     res = {}
     for sid in [s.id for s in ring.topo.active]:
-        got, closed = await _exchange(ring.address(sid), ring.secret, [takeover_frame(ring.topo.active[0].id, ("x", 1))],
-                                      until=lambda g: bool(g), timeout=10)
+        got, closed = await _exchange(
+            ring.address(sid),
+            ring.secret,
+            [takeover_frame(ring.topo.active[0].id, ("x", 1))],
+            until=lambda g: bool(g),
+            timeout=10,
+        )
         res[sid] = {"reply": errs(got) or [f.kind for f in got], "closed": closed}
     out["takeover_to_active"] = res
     # 4. hostile claim / route / retain / takeover contents: each rejected, nothing crashes
     hostile = {
-        "claim since=str (real slot, own id)": Frame.make("claim", slot="s1", node="fuzz-directed", epoch=1, op="commit", since="x"),
+        "claim since=str (real slot, own id)": Frame.make(
+            "claim", slot="s1", node="fuzz-directed", epoch=1, op="commit", since="x"
+        ),
         "claim request after it": Frame.make("claim", slot="s1", node="fuzz-directed", epoch=3, op="request"),
         "claim epoch bool": Frame.make("claim", slot="s1", node="fuzz-directed", epoch=True),
         "claim for another node": Frame.make("claim", slot="s1", node="someone-else", epoch=9, op="commit"),
@@ -559,8 +638,11 @@ async def directed(ring, reference, big_prompt: bool = True) -> dict:
         "takeover slot int": Frame.make("takeover", slot=5),
         "takeover replaces junk": Frame.make("takeover", slot="s1", replaces=[1, 2]),
         "ping 1 MB id": Frame.make("ping", id="i" * 1_000_000, t_ns=1),
-        "result uint32 logits to a stage": Frame.make("result", [("logits", ("uint32", (1, 4), bytes(16)))],
-                                                      results=[{"session": "g", "epoch": 0, "pos": 1, "token": 1, "rows": 1}]),
+        "result uint32 logits to a stage": Frame.make(
+            "result",
+            [("logits", ("uint32", (1, 4), bytes(16)))],
+            results=[{"session": "g", "epoch": 0, "pos": 1, "token": 1, "rows": 1}],
+        ),
         "generate temperature nan": GenerateRequest(1, [3, 4], SamplingParams(max_tokens=2)).frame(),
         "generate temperature 1e-300": GenerateRequest(1, [3, 4], SamplingParams(max_tokens=2)).frame(),
     }
@@ -569,10 +651,16 @@ async def directed(ring, reference, big_prompt: bool = True) -> dict:
     res = {}
     for name, f in hostile.items():
         addr = entry if name.startswith("generate") else stage
-        got, closed = await _exchange(addr, ring.secret, [f, ping_frame(99, 0)],
-                                      until=lambda g, name=name: any(x.kind in ("pong", "done") for x in g) and
-                                      (not name.startswith("generate") or any(x.kind in ("done", "error") for x in g)),
-                                      timeout=10)
+        got, closed = await _exchange(
+            addr,
+            ring.secret,
+            [f, ping_frame(99, 0)],
+            until=lambda g, name=name: (
+                any(x.kind in ("pong", "done") for x in g)
+                and (not name.startswith("generate") or any(x.kind in ("done", "error") for x in g))
+            ),
+            timeout=10,
+        )
         res[name] = {"reply": (errs(got) or [x.kind for x in got])[:2], "closed": closed}
     res["session_ok_after"] = await session_ok()
     out["hostile_contents"] = res
@@ -623,6 +711,7 @@ def main(argv=None) -> int:
     if model is None:
         from p2pk3.checkpoint.tiny import write_checkpoint
         from p2pk3.model.config import TINY_K3
+
         model = work / "tiny-k3"
         if not (model / "config.json").exists():
             write_checkpoint(model, TINY_K3, seed=0, shards=3)
@@ -632,10 +721,13 @@ def main(argv=None) -> int:
     ring = LocalRing(model, a.nodes, workdir=work / "ring")
     ring.start()
     try:
-        print(f"ring up: {a.nodes} daemons, pids {[p.pid for p in ring.procs.values()]}, logs in {ring.log_dir}",
-              flush=True)
-        rep = asyncio.run(fuzz_ring(ring, ref, a.frames, auth_share=a.auth_share, seed=a.seed, lanes=a.lanes,
-                                    progress=True))
+        print(
+            f"ring up: {a.nodes} daemons, pids {[p.pid for p in ring.procs.values()]}, logs in {ring.log_dir}",
+            flush=True,
+        )
+        rep = asyncio.run(
+            fuzz_ring(ring, ref, a.frames, auth_share=a.auth_share, seed=a.seed, lanes=a.lanes, progress=True)
+        )
         if a.directed:
             rep["directed"] = asyncio.run(directed(ring, ref))
             print(json.dumps(rep["directed"], indent=2, default=str), flush=True)
@@ -644,9 +736,11 @@ def main(argv=None) -> int:
     bad = verdict(rep, int(a.rss_margin_mb * 1024))
     rep["failures"] = bad
     print(json.dumps(rep, indent=2, default=str))
-    print(f"\nframes sent: {rep['frames']} ({rep['auth_frames']} authenticated, {rep['raw_frames']} before the "
-          f"handshake) in {rep['elapsed_s']} s; daemon crashes: {len(rep['crashes'])}; sessions ok "
-          f"{rep['sessions_ok']}, differing {rep['n_sessions_bad']}")
+    print(
+        f"\nframes sent: {rep['frames']} ({rep['auth_frames']} authenticated, {rep['raw_frames']} before the "
+        f"handshake) in {rep['elapsed_s']} s; daemon crashes: {len(rep['crashes'])}; sessions ok "
+        f"{rep['sessions_ok']}, differing {rep['n_sessions_bad']}"
+    )
     for sid in rep["rss_kb_before"]:
         print(f"slot {sid}: VmRSS before {rep['rss_kb_before'][sid]} kB, after {rep['rss_kb_after'][sid]} kB")
     print("RESULT:", "PASS" if not bad else "FAIL\n  " + "\n  ".join(bad))

@@ -9,6 +9,7 @@ The same file comes from the command line:
     p2pk3 plan --model kimi-k3 --hosts hardware/k3-80x5090-nodes.toml --standby 2 --sessions 8 \\
         --context 32768 --name k3-80x5090 --out topology/k3-80x5090.toml
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,9 +30,18 @@ def build_plan():
     from p2pk3.model.config import KIMI_K3
     from p2pk3.plan import load_nodes, plan_ring
     from p2pk3.topology import MemorySpec
+
     mem = MemorySpec(sessions=8, context=32768, prefill_chunk=2048, overhead_gb=1.0)
-    return plan_ring(KIMI_K3, load_nodes(NODES), memory=mem, standby=2,
-                     name="k3-80x5090", preset="kimi-k3", repo="moonshotai/Kimi-K3", secret_file="cluster.key")
+    return plan_ring(
+        KIMI_K3,
+        load_nodes(NODES),
+        memory=mem,
+        standby=2,
+        name="k3-80x5090",
+        preset="kimi-k3",
+        repo="moonshotai/Kimi-K3",
+        secret_file="cluster.key",
+    )
 
 
 def main() -> None:
@@ -41,13 +51,17 @@ def main() -> None:
     a = ap.parse_args()
     plan = build_plan()
     n_split = sum(1 for s in plan.topology.active if s.experts)
-    plan.topology.dump(a.out, comment=(
-        "Kimi K3 over 80 x RTX 5090 (hardware/k3-80x5090-nodes.toml): 78 active slots + 2 hot spares, planned by\n"
-        "`p2pk3 plan` (tools/make_k3_topology.py; do not edit by hand) for 8 sessions x 32768 tokens, weights as\n"
-        f"shipped. {n_split} slots hold part of a layer's experts (a layer on two consecutive slots is split by\n"
-        "experts). Pace (slowest stage, 1,792 GB/s) "
-        f"{plan.pace_ms:.3f} ms/token. Memory tables: `p2pk3 topology check` or docs/rack.md.\n"
-        "host/port are absent: slots are found by LAN discovery. Secret: cluster.key next to this file."))
+    plan.topology.dump(
+        a.out,
+        comment=(
+            "Kimi K3 over 80 x RTX 5090 (hardware/k3-80x5090-nodes.toml): 78 active slots + 2 hot spares, planned by\n"
+            "`p2pk3 plan` (tools/make_k3_topology.py; do not edit by hand) for 8 sessions x 32768 tokens, weights as\n"
+            f"shipped. {n_split} slots hold part of a layer's experts (a layer on two consecutive slots is split by\n"
+            "experts). Pace (slowest stage, 1,792 GB/s) "
+            f"{plan.pace_ms:.3f} ms/token. Memory tables: `p2pk3 topology check` or docs/rack.md.\n"
+            "host/port are absent: slots are found by LAN discovery. Secret: cluster.key next to this file."
+        ),
+    )
     print(plan.summary())
     print(f"wrote {a.out}")
     if a.figures:
@@ -64,6 +78,7 @@ def figures(path: Path) -> None:
     from p2pk3.sim.hardware import PROFILES
     from p2pk3.sim.report import FORMAT_ROWS, capacity_sessions, rack_figures, rack_markdown
     from p2pk3.topology import Topology
+
     topo = Topology.load(path)
     memory_markdown(topo)
     dflt, best = load_profile(), load_profile(PROFILES / "rtx5090-best.toml")
@@ -79,17 +94,31 @@ def figures(path: Path) -> None:
         for ctx in (4096, 32768):
             n = capacity_sessions(KIMI_K3, cards, ctx, fm, standby=2)
             for hw in (dflt, best):
-                r = simulate_sweep(KIMI_K3, topo, hw, [n], formats=fm, prompt=4, new_tokens=24, context=ctx,
-                                   micro_batches=mb)[0]
-                print(f"| {fname} | {ctx} | {n} | {'default' if hw is dflt else 'best-case'} | "
-                      f"{r.per_stream_tps:.2f} | {r.aggregate_tps:.0f} |")
+                r = simulate_sweep(
+                    KIMI_K3, topo, hw, [n], formats=fm, prompt=4, new_tokens=24, context=ctx, micro_batches=mb
+                )[0]
+                print(
+                    f"| {fname} | {ctx} | {n} | {'default' if hw is dflt else 'best-case'} | "
+                    f"{r.per_stream_tps:.2f} | {r.aggregate_tps:.0f} |"
+                )
     fm4 = dict(FORMAT_ROWS[2][1])
     print("\n## recommended: MXFP4 non-experts, best-case engineering, speculation accept 3.0 at k = 3 (width 4)\n")
     print("| streams | micro-batches | per-stream tok/s | aggregate tok/s |")
     print("|---|---|---|---|")
     for n, m in ((1, None), (78, mb), (156, mb), (312, mb), (589, mb)):
-        r = simulate_sweep(KIMI_K3, topo, best, [n], formats=fm4, accept=3.0, spec_k=3, prompt=4, new_tokens=24,
-                           context=32768, micro_batches=m)[0]
+        r = simulate_sweep(
+            KIMI_K3,
+            topo,
+            best,
+            [n],
+            formats=fm4,
+            accept=3.0,
+            spec_k=3,
+            prompt=4,
+            new_tokens=24,
+            context=32768,
+            micro_batches=m,
+        )[0]
         print(f"| {n} | {m or 1} | {r.per_stream_tps:.1f} | {r.aggregate_tps:.0f} |")
 
 
@@ -98,8 +127,11 @@ def memory_markdown(topo) -> None:
     from p2pk3.model.config import KIMI_K3
     from p2pk3.plan import memory_table
     from p2pk3.topology import GiB
-    print("| slot | layers | attention | shared+dense MLP | router+latent | routed experts (MXFP4) | embed/head | "
-          "KDA state | MLA cache | workspace | logits | CUDA reserve | total | free |")
+
+    print(
+        "| slot | layers | attention | shared+dense MLP | router+latent | routed experts (MXFP4) | embed/head | "
+        "KDA state | MLA cache | workspace | logits | CUDA reserve | total | free |"
+    )
     print("|" + "---|" * 14)
     for s in topo.active:
         t = memory_table(KIMI_K3, topo.slot_plan(s, KIMI_K3), topo.memory, s.gpu_memory_gb)
@@ -110,12 +142,15 @@ def memory_markdown(topo) -> None:
 
         def g(*ks, d=w):
             return f"{sum(d.get(k, 0) for k in ks) / GiB:.2f}"
+
         lay = f"{s.layers[0]}-{s.layers[1]}" + (" split" if s.experts else "")
-        print(f"| {s.id} | {lay} | {g('attention', 'norms')} | {g('shared_experts', 'dense')} | "
-              f"{g('router', 'latent')} | {g('routed_experts')} | {g('embedding', 'lm_head')} | "
-              f"{g('KDA state', d=r)} | {g('MLA latent cache', d=r)} | {g('activations + workspace', d=r)} | "
-              f"{g('logits + sampling', d=r)} | {g('CUDA context + allocator reserve', d=r)} | {t.total / GiB:.2f} | "
-              f"{t.free / GiB:.2f} |")
+        print(
+            f"| {s.id} | {lay} | {g('attention', 'norms')} | {g('shared_experts', 'dense')} | "
+            f"{g('router', 'latent')} | {g('routed_experts')} | {g('embedding', 'lm_head')} | "
+            f"{g('KDA state', d=r)} | {g('MLA latent cache', d=r)} | {g('activations + workspace', d=r)} | "
+            f"{g('logits + sampling', d=r)} | {g('CUDA context + allocator reserve', d=r)} | {t.total / GiB:.2f} | "
+            f"{t.free / GiB:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 
 The writer lives in `p2pk3.checkpoint.tiny` (tests, benchmarks and the training export use it).
 """
+
 from p2pk3.checkpoint.tiny import main
 
 if __name__ == "__main__":

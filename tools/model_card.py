@@ -1,4 +1,5 @@
 """The model card (README.md) of the embedded demo model, from the numbers tools/eval_demo.py measured."""
+
 from __future__ import annotations
 
 import json
@@ -36,19 +37,23 @@ def write_card(out_dir: str | Path, m: dict) -> None:
     c = K3Config.from_pretrained(out_dir)
     a, h, tr, d = m["args"], m["heldout"], m["train"], m["data"]
     ring = m.get("ring")
-    ring_line = (f"| this checkpoint through a {ring['nodes']}-node local ring (`p2pk3 node` daemons), first "
-                 f"{ring['windows']} windows | {ring['ppl_ring']:.2f} (one process on the same windows: "
-                 f"{ring['ppl_one_process']:.2f}) | |" if ring else "")
+    ring_line = (
+        f"| this checkpoint through a {ring['nodes']}-node local ring (`p2pk3 node` daemons), first "
+        f"{ring['windows']} windows | {ring['ppl_ring']:.2f} (one process on the same windows: "
+        f"{ring['ppl_one_process']:.2f}) | |"
+        if ring
+        else ""
+    )
     chars = {k: v["chars"] / 1e6 for k, v in d.items()}
     card = f"""# k3-docs
 
-A {m['params_m']:.1f}M-parameter model with **exactly the Kimi K3 architecture** (text tower), trained from
-scratch on 2 CPU cores in {tr['minutes']['pretrain'] + tr['minutes']['chat']:.0f} minutes on the Python 3.11
+A {m["params_m"]:.1f}M-parameter model with **exactly the Kimi K3 architecture** (text tower), trained from
+scratch on 2 CPU cores in {tr["minutes"]["pretrain"] + tr["minutes"]["chat"]:.0f} minutes on the Python 3.11
 documentation and the Linux manual pages, then fine-tuned on question/answer pairs in the K3 chat format.
-It is the embedded default model of p2pk3 ({m['export_bytes'] / 1e6:.1f} MB): every code path of the engine
+It is the embedded default model of p2pk3 ({m["export_bytes"] / 1e6:.1f} MB): every code path of the engine
 (KDA, gated MLA, AttnRes, Stable LatentMoE with MXFP4 experts) and of the chat front ends runs on it.
 
-It is a small demo, far from trained out: it has seen {tr['tokens_seen_pretrain'] / 1e6:.2f}M tokens of text
+It is a small demo, far from trained out: it has seen {tr["tokens_seen_pretrain"] / 1e6:.2f}M tokens of text
 (a third of its training split) and the validation loss was still falling. It writes documentation-style
 English and answers in the chat format, but its greedy answers are short, generic and often repetitive
 (see the questions below); do not expect facts.
@@ -68,10 +73,10 @@ stop ids `[EOS]` and `<|im_end|>`.
 
 | source | licence | train / validation / held-out characters |
 |---|---|---|
-| Python 3.11 documentation, reStructuredText sources (Debian `python3.11-doc`), markup stripped to prose and code blocks | PSF License Agreement; since 3.8.6 the code examples and recipes in it are dual-licensed PSF / Zero-Clause BSD (`license.rst` of the sources, `/usr/share/doc/python3.11-doc/copyright`) | together with the man pages: {chars['train']:.2f}M / {chars['val']:.2f}M / {chars['heldout']:.2f}M |
+| Python 3.11 documentation, reStructuredText sources (Debian `python3.11-doc`), markup stripped to prose and code blocks | PSF License Agreement; since 3.8.6 the code examples and recipes in it are dual-licensed PSF / Zero-Clause BSD (`license.rst` of the sources, `/usr/share/doc/python3.11-doc/copyright`) | together with the man pages: {chars["train"]:.2f}M / {chars["val"]:.2f}M / {chars["heldout"]:.2f}M |
 | Linux man-pages project 6.03 (Debian `manpages`, `manpages-dev`), rendered with groff | per page, as recorded in Debian's `copyright` file: about 1,430 pages under the "Linux-man-pages-copyleft" licence (verbatim and modified copies allowed if the permission notice is kept), about 730 GPL-2.0+/GPL-1.0+/GPL-2.0, about 220 BSD (4-, 3-, 2-clause), 1 Expat; all in Debian main (the non-free POSIX pages, in `manpages-posix`, are not used) | |
 
-Documents ({d['train']['documents']} train, {d['val']['documents']} validation, {d['heldout']['documents']}
+Documents ({d["train"]["documents"]} train, {d["val"]["documents"]} validation, {d["heldout"]["documents"]}
 held out) are split by a hash of their name; paragraphs of held-out (validation) documents are removed from
 the other splits, and paragraphs repeated across documents are kept once. The tokenizer saw the train split
 only. The held-out documents (listed in `heldout_docs.json`) are used only for the numbers below. Note: the previous demo model (`tiny-k3-pydoc`) was trained on
@@ -79,23 +84,23 @@ CPython's `pydoc_data.topics`, which overlaps the language-reference part of the
 
 ## Training
 
-`python -m tools.train_docs --minutes {a['minutes']:g} --chat-minutes {a['chat_minutes']:g} --run runs/k3-docs --export p2pk3/assets/k3-docs`
-(seed {a['seed']}, resumable with `--resume`). Phase 1: {tr['steps']['pretrain']} AdamW steps of {a['batch']} x {a['seq']}
-tokens of text (warmup + cosine, peak lr {a['lr']:g}, weight decay {a['wd']:g}), {tr['minutes']['pretrain']:.0f} min.
-Phase 2: {tr['steps']['chat']} steps on {m['chat_pairs_train']} question/answer pairs built from the train
+`python -m tools.train_docs --minutes {a["minutes"]:g} --chat-minutes {a["chat_minutes"]:g} --run runs/k3-docs --export p2pk3/assets/k3-docs`
+(seed {a["seed"]}, resumable with `--resume`). Phase 1: {tr["steps"]["pretrain"]} AdamW steps of {a["batch"]} x {a["seq"]}
+tokens of text (warmup + cosine, peak lr {a["lr"]:g}, weight decay {a["wd"]:g}), {tr["minutes"]["pretrain"]:.0f} min.
+Phase 2: {tr["steps"]["chat"]} steps on {m["chat_pairs_train"]} question/answer pairs built from the train
 documents (a defined name or heading -> "What does X do?" / "What is X?", its first paragraph -> the answer), rendered
 with the chat template (30% with a system prompt), loss on the answer only, a quarter of each batch plain text,
-{tr['minutes']['chat']:.0f} min. Routed experts trained quantization-aware (MXFP4 fake quantization, straight-through
-gradient); router correction bias set by quantile balancing (no aux loss). {a['threads']} CPU threads, Python
-{m['python']}, torch {m['torch']}. Loss curves: `loss.png` of the run.
+{tr["minutes"]["chat"]:.0f} min. Routed experts trained quantization-aware (MXFP4 fake quantization, straight-through
+gradient); router correction bias set by quantile balancing (no aux loss). {a["threads"]} CPU threads, Python
+{m["python"]}, torch {m["torch"]}. Loss curves: `loss.png` of the run.
 
-## Quality (held-out documents, first 2,000 characters of each, windows of {a['seq']} tokens)
+## Quality (held-out documents, first 2,000 characters of each, windows of {a["seq"]} tokens)
 
 | | perplexity | bits per byte |
 |---|---|---|
-| fp32 master weights (QAT forward) | {h['master']['ppl']:.2f} | {h['master']['bpb']:.3f} |
-| this checkpoint (bf16 + MXFP4 experts, real loader), fp32 compute | {h['mxfp4']['ppl']:.2f} | {h['mxfp4']['bpb']:.3f} |
-| this checkpoint, bf16 compute | {h['mxfp4_bf16']['ppl']:.2f} | {h['mxfp4_bf16']['bpb']:.3f} |
+| fp32 master weights (QAT forward) | {h["master"]["ppl"]:.2f} | {h["master"]["bpb"]:.3f} |
+| this checkpoint (bf16 + MXFP4 experts, real loader), fp32 compute | {h["mxfp4"]["ppl"]:.2f} | {h["mxfp4"]["bpb"]:.3f} |
+| this checkpoint, bf16 compute | {h["mxfp4_bf16"]["ppl"]:.2f} | {h["mxfp4_bf16"]["bpb"]:.3f} |
 {ring_line}
 
 The comparison with the previous demo model (bits per byte: the tokenizers differ) is in docs/quality.md.
@@ -104,7 +109,7 @@ The comparison with the previous demo model (bits per byte: the tokenizers diffe
 
 | | question | answer | score |
 |---|---|---|---|
-{_q_rows(m['questions'])}
+{_q_rows(m["questions"])}
 
 ## Integrity
 

@@ -8,6 +8,7 @@ Prints: sessions completed, tokens lost (must be 0), daemon RSS over time (MB, p
 inter-token latency, and the longest stall the kill caused (the largest gap between two tokens of any
 session around the kill) against the p99 gap of the minute before it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,6 +65,7 @@ async def soak(args) -> None:
                     now = time.perf_counter()
                     gaps.append((time.time(), now - last[0]))
                     last[0] = now
+
                 try:
                     r = await c.generate(prompts[i], SamplingParams(max_tokens=lengths[i]), on_token=on_token)
                 except RequestError as e:
@@ -108,8 +110,10 @@ async def soak(args) -> None:
     print(f"sessions completed: {done}   failed: {failed}   tokens lost (sessions with other tokens): {lost}")
     print(f"tokens streamed: {tokens}  ({tokens / (60 * args.minutes):.1f} tok/s aggregate)")
     print(f"inter-token latency: p50 {1000 * statistics.median(g):.1f} ms   p99 {1000 * pct(g, 0.99):.1f} ms")
-    print(f"stall caused by the kill: longest gap {max(around):.2f} s vs p99 {1000 * pct(before, 0.99):.0f} ms "
-          f"in the minute before")
+    print(
+        f"stall caused by the kill: longest gap {max(around):.2f} s vs p99 {1000 * pct(before, 0.99):.0f} ms "
+        f"in the minute before"
+    )
     print("daemon RSS (sum over processes, MB): " + ", ".join(f"{t:.0f}s {m:.0f}" for t, m in rss[::12]))
 
 

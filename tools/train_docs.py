@@ -26,6 +26,7 @@ Speed: the KDA prefill reference runs with 16-token chunks here (`kda_ref.CHUNK`
 recurrence up to rounding) and folds the batch's equal-length rows into one call: ~3x faster training steps
 than the serving default of 64-token chunks on this 2-core machine.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,13 +71,15 @@ def chat_example(tok, question: str, answer: str, system: str | None) -> tuple[l
     msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
     prompt = tok.apply_chat_template(msgs, add_generation_prompt=True)
     full = tok.apply_chat_template(msgs + [{"role": "assistant", "content": answer}], add_generation_prompt=False)
-    assert full[:len(prompt)] == prompt, "chat template: the prompt is not a prefix of the rendered conversation"
+    assert full[: len(prompt)] == prompt, "chat template: the prompt is not a prefix of the rendered conversation"
     ids = [tok.bos_id] + full + [tok.eos_id]
     mask = [0] * len(prompt) + [1] * (len(full) - len(prompt)) + [0]  # targets ids[1:]: answer + <|im_end|>
     return ids, mask
 
 
-def pack_rows(examples: list[tuple[list[int], list[int]]], T: int, pad: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_rows(
+    examples: list[tuple[list[int], list[int]]], T: int, pad: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Examples (shuffled) packed greedily into rows of T+1 ids; mask [rows, T] over the targets."""
     rng = random.Random(seed)
     ex = [e for e in examples if len(e[0]) <= T + 1]
@@ -99,7 +102,9 @@ def pack_rows(examples: list[tuple[list[int], list[int]]], T: int, pad: int, see
 
 def chat_set(tok, pairs, seed: int) -> list[tuple[list[int], list[int]]]:
     rng = random.Random(seed)
-    return [chat_example(tok, q, a, SYSTEM_PROMPT if rng.random() < QUESTION_SYSTEM_RATE else None) for q, a, _ in pairs]
+    return [
+        chat_example(tok, q, a, SYSTEM_PROMPT if rng.random() < QUESTION_SYSTEM_RATE else None) for q, a, _ in pairs
+    ]
 
 
 class Data:
@@ -126,7 +131,11 @@ class Data:
 
 # ------------------------------------------------------------------------------------------------ train
 def lr_at(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -> float:
-    return peak * min(1.0, (step + 1) / warmup) * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, step / max(1, total)))))
+    return (
+        peak
+        * min(1.0, (step + 1) / warmup)
+        * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, step / max(1, total)))))
+    )
 
 
 @torch.no_grad()
@@ -137,7 +146,7 @@ def masked_nll(stage: K3Stage, rows: torch.Tensor, mask: torch.Tensor, batch: in
     tot, cnt = 0.0, 0.0
     with torch.inference_mode():
         for i in range(0, len(rows), batch):
-            xb, mb = rows[i:i + batch], mask[i:i + batch]
+            xb, mb = rows[i : i + batch], mask[i : i + batch]
             lg = forward_batch(stage, xb[:, :-1])
             nll = F.cross_entropy(lg.float(), xb[:, 1:].reshape(-1), reduction="none")
             tot += float((nll * mb.reshape(-1)).sum())
@@ -151,7 +160,7 @@ def stream_nll(stage: K3Stage, ids: list[int], T: int, max_windows: int, batch: 
     """Mean next-token NLL over (at most `max_windows`, evenly spread) non-overlapping windows of T+1."""
     n_win = (len(ids) - 1) // T
     pick = sorted({int(i * n_win / max_windows) for i in range(max_windows)}) if n_win > max_windows else range(n_win)
-    xs = torch.tensor([ids[w * T: w * T + T + 1] for w in pick], dtype=torch.long)
+    xs = torch.tensor([ids[w * T : w * T + T + 1] for w in pick], dtype=torch.long)
     return masked_nll(stage, xs, torch.ones(len(xs), T), batch)
 
 
@@ -187,25 +196,54 @@ def train(a) -> int:
     t0 = time.time()
     data = Data(run, a.vocab, T, a.corpus)
     tok = data.tok
-    log(f"data ({time.time() - t0:.0f} s): documents " + ", ".join(f"{k} {len(v)}" for k, v in data.split.items())
-        + "; chars " + ", ".join(f"{k} {v / 1e6:.2f}M" for k, v in data.chars.items())
-        + "; tokens " + ", ".join(f"{k} {len(v) / 1e6:.2f}M" for k, v in data.ids.items())
-        + "; chat pairs " + ", ".join(f"{k} {len(v)}" for k, v in data.pairs.items())
-        + f"; chat rows train {len(data.chat['train'][0])} val {len(data.chat['val'][0])}; vocab {tok.vocab_size}", fh)
+    log(
+        f"data ({time.time() - t0:.0f} s): documents "
+        + ", ".join(f"{k} {len(v)}" for k, v in data.split.items())
+        + "; chars "
+        + ", ".join(f"{k} {v / 1e6:.2f}M" for k, v in data.chars.items())
+        + "; tokens "
+        + ", ".join(f"{k} {len(v) / 1e6:.2f}M" for k, v in data.ids.items())
+        + "; chat pairs "
+        + ", ".join(f"{k} {len(v)}" for k, v in data.pairs.items())
+        + f"; chat rows train {len(data.chat['train'][0])} val {len(data.chat['val'][0])}; vocab {tok.vocab_size}",
+        fh,
+    )
 
-    cfg = tiny_config(tok.vocab_size, tok.bos_id, tok.im_end_id, tok.pad_id, hidden=a.hidden, layers=a.layers,
-                      kda_heads=a.kda_heads, kda_dim=a.kda_dim, experts=a.experts, topk=a.topk, moe_inter=a.moe_inter)
+    cfg = tiny_config(
+        tok.vocab_size,
+        tok.bos_id,
+        tok.im_end_id,
+        tok.pad_id,
+        hidden=a.hidden,
+        layers=a.layers,
+        kda_heads=a.kda_heads,
+        kda_dim=a.kda_dim,
+        experts=a.experts,
+        topk=a.topk,
+        moe_inter=a.moe_inter,
+    )
     stage = K3Stage(cfg, StagePlan.whole(cfg))
     init_stage(stage, a.seed)
     stage.train()
     decay = [p for n, p in stage.named_parameters() if p.requires_grad and p.dim() >= 2 and "embed" not in n]
     no_decay = [p for n, p in stage.named_parameters() if p.requires_grad and not (p.dim() >= 2 and "embed" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": a.wd}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": a.wd}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=a.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     gen = torch.Generator().manual_seed(a.seed)
-    state = {"phase": "pretrain", "step": 0, "total": None, "elapsed": {"pretrain": 0.0, "chat": 0.0},
-             "hist": {"pretrain": {"step": [], "loss": [], "imb": [], "time": [], "val_step": [], "val_loss": []},
-                      "chat": {"step": [], "loss": [], "imb": [], "time": [], "val_step": [], "val_loss": [], "val_text": []}}}
+    state = {
+        "phase": "pretrain",
+        "step": 0,
+        "total": None,
+        "elapsed": {"pretrain": 0.0, "chat": 0.0},
+        "hist": {
+            "pretrain": {"step": [], "loss": [], "imb": [], "time": [], "val_step": [], "val_loss": []},
+            "chat": {"step": [], "loss": [], "imb": [], "time": [], "val_step": [], "val_loss": [], "val_text": []},
+        },
+    }
     if ck is not None:
         stage.load_state_dict(ck["stage"])
         opt.load_state_dict(ck["opt"])
@@ -227,7 +265,7 @@ def train(a) -> int:
     def batch(phase: str) -> tuple[torch.Tensor, torch.Tensor]:
         n_text = B if phase == "pretrain" else B // 4
         starts = torch.randint(0, len(text) - T - 1, (n_text,), generator=gen)
-        xs = [text[s:s + T + 1] for s in starts.tolist()]
+        xs = [text[s : s + T + 1] for s in starts.tolist()]
         ms = [torch.ones(T)] * n_text
         if n_text < B:
             pick = torch.randint(0, len(crow), (B - n_text,), generator=gen)
@@ -253,8 +291,17 @@ def train(a) -> int:
         return float(loss.detach()), sum(imb) / len(imb)
 
     def checkpoint() -> None:
-        save_ckpt(ck_path, {"stage": stage.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
-                            "state": state, "args": vars(a), "config": cfg.to_hf_dict()})
+        save_ckpt(
+            ck_path,
+            {
+                "stage": stage.state_dict(),
+                "opt": opt.state_dict(),
+                "gen": gen.get_state(),
+                "state": state,
+                "args": vars(a),
+                "config": cfg.to_hf_dict(),
+            },
+        )
 
     last_ck = time.time()
     done_here = 0  # steps run by this process (--stop-after-steps)
@@ -268,7 +315,7 @@ def train(a) -> int:
         budget = minutes * 60
         while state["total"] is None or state["step"] < state["total"]:
             step = state["step"]
-            loss, imb = step_once(phase, step, state["total"] or 10 ** 9)
+            loss, imb = step_once(phase, step, state["total"] or 10**9)
             el = time.time() - t_phase
             state["elapsed"][phase] = el
             h["step"].append(step)
@@ -315,8 +362,16 @@ def train(a) -> int:
         hd.remove()
     if state["phase"] == "done":
         sd = canonical_state_dict(stage)
-        torch.save({"config": cfg.to_hf_dict(), "state_dict": sd, "stage": stage.state_dict(), "state": state,
-                    "args": vars(a)}, run / "master.pt")
+        torch.save(
+            {
+                "config": cfg.to_hf_dict(),
+                "state_dict": sd,
+                "stage": stage.state_dict(),
+                "state": state,
+                "args": vars(a),
+            },
+            run / "master.pt",
+        )
         plot(run, state, a)
         log("wrote master.pt", fh)
     fh.close()
@@ -338,7 +393,8 @@ def plot(run: Path, state: dict, a) -> None:
     fig, ax = plt.subplots(1, 2, figsize=(12, 4))
 
     def smooth(v, w=20):
-        return [sum(v[max(0, i - w + 1):i + 1]) / len(v[max(0, i - w + 1):i + 1]) for i in range(len(v))]
+        return [sum(v[max(0, i - w + 1) : i + 1]) / len(v[max(0, i - w + 1) : i + 1]) for i in range(len(v))]
+
     ax[0].plot(hp["step"], smooth(hp["loss"]), label="pretrain: train text (20-step mean)")
     ax[0].plot(hp["val_step"], hp["val_loss"], "o-", ms=3, label="pretrain: validation text")
     if hc["step"]:
@@ -406,7 +462,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--ckpt-minutes", type=float, default=10.0)
     ap.add_argument("--steps", type=int, default=None, help="fixed phase-1 steps instead of fitting --minutes")
-    ap.add_argument("--chat-steps", type=int, default=None, help="fixed phase-2 steps instead of fitting --chat-minutes")
+    ap.add_argument(
+        "--chat-steps", type=int, default=None, help="fixed phase-2 steps instead of fitting --chat-minutes"
+    )
     ap.add_argument("--stop-after-steps", type=int, default=None, help="stop (with a checkpoint) after N steps")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args(argv)

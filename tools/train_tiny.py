@@ -32,6 +32,7 @@ Speed: one torch thread (fastest on a shared 2-core box); ~2.2 s per 8 x 128-tok
 KDA chunk reference (kernels/kda_ref.py `_chunk_one`: [H, C, C, K] tensors per 64-token chunk, one sequence
 at a time).
 """
+
 from __future__ import annotations
 
 import argparse

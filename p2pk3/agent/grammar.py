@@ -26,6 +26,7 @@ accepted token (also replayed ones after a takeover, and verified draft tokens),
 builds one matcher per request with `response_format` (and for `tool_choice` required / named: a json_schema
 of the tool's parameters).
 """
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,17 @@ import torch
 
 from .vocab import token_bytes
 
-__all__ = ["GrammarTokenizer", "GrammarMatcher", "GrammarError", "GrammarViolation", "GrammarEngineMissing",
-           "response_format_schema", "unpack_bitmask", "json_options", "MAX_WHITESPACE"]
+__all__ = [
+    "GrammarTokenizer",
+    "GrammarMatcher",
+    "GrammarError",
+    "GrammarViolation",
+    "GrammarEngineMissing",
+    "response_format_schema",
+    "unpack_bitmask",
+    "json_options",
+    "MAX_WHITESPACE",
+]
 
 MAX_WHITESPACE = 32
 ENGINE_INSTALL = "pip install llguidance"
@@ -58,8 +68,9 @@ def _engine():
     try:
         import llguidance
     except ImportError as e:
-        raise GrammarEngineMissing(f"structured outputs need the grammar engine llguidance: {ENGINE_INSTALL} "
-                                   f"({e})") from e
+        raise GrammarEngineMissing(
+            f"structured outputs need the grammar engine llguidance: {ENGINE_INSTALL} ({e})"
+        ) from e
     return llguidance
 
 
@@ -128,22 +139,28 @@ class GrammarTokenizer:
             raise GrammarError(f"vocab_size {n} is smaller than the tokenizer's {len(tokens)} ids")
         special |= set(range(len(tokens), n))
         tokens += [b""] * (n - len(tokens))
-        stop = list(stop_ids if stop_ids is not None else getattr(tokenizer, "stop_ids", None)
-                    or sorted(tokenizer.eos_ids))
+        stop = list(
+            stop_ids if stop_ids is not None else getattr(tokenizer, "stop_ids", None) or sorted(tokenizer.eos_ids)
+        )
         if not stop:
             raise GrammarError("the tokenizer has no stop id: pass stop_ids= (the ids that end a response)")
         self.vocab_size, self.stop_ids = n, tuple(stop)
         self.special: dict[str, int] = dict(getattr(tokenizer, "special", {}))  # text -> id
-        self.ll_tokenizer = ll.LLTokenizer(_Wrapper(tokenizer, tokens, special, stop[0]), n_vocab=n,
-                                           eos_token=stop)
+        self.ll_tokenizer = ll.LLTokenizer(_Wrapper(tokenizer, tokens, special, stop[0]), n_vocab=n, eos_token=stop)
         self.words = (n + 31) // 32
 
 
 class GrammarMatcher:
     """The grammar state of one request: next-token mask, advance, rollback, reset (module doc)."""
 
-    def __init__(self, gtok: GrammarTokenizer, response_format: Mapping | None = None, *, lark: str | None = None,
-                 what: str = "response_format"):
+    def __init__(
+        self,
+        gtok: GrammarTokenizer,
+        response_format: Mapping | None = None,
+        *,
+        lark: str | None = None,
+        what: str = "response_format",
+    ):
         """One of: response_format (OpenAI's object), or lark (an llguidance Lark grammar, e.g. from
         `toolgrammar.tool_call_grammar`); `what` names the grammar in errors."""
         ll = _engine()
@@ -153,8 +170,9 @@ class GrammarMatcher:
             if self.schema is None:
                 raise GrammarError("response_format of type text needs no grammar (build no matcher)")
             try:
-                grammar = ll.LLMatcher.grammar_from_json_schema(json.dumps(self.schema),
-                                                                overrides=json_options(self.strict))
+                grammar = ll.LLMatcher.grammar_from_json_schema(
+                    json.dumps(self.schema), overrides=json_options(self.strict)
+                )
             except ValueError as e:
                 raise GrammarError(f"{what} schema: {e}") from e
         else:
@@ -206,8 +224,10 @@ class GrammarMatcher:
         else:
             allowed = 0 <= t < self.gtok.vocab_size and self._m.validate_tokens([t]) == 1
         if not allowed:
-            raise GrammarViolation(f"token {t} is not allowed by the grammar here (after {len(self.tokens)} "
-                                   "tokens): sample under GrammarMatcher.apply")
+            raise GrammarViolation(
+                f"token {t} is not allowed by the grammar here (after {len(self.tokens)} "
+                "tokens): sample under GrammarMatcher.apply"
+            )
         counted = not self._m.is_stopped()  # a stop token after a finished grammar is not in the engine's history
         if counted and not self._m.consume_token(t):
             self._check()
@@ -222,11 +242,11 @@ class GrammarMatcher:
         """Undo the last k accepted tokens."""
         if not 0 <= k <= len(self.tokens):
             raise ValueError(f"cannot roll back {k} tokens: {len(self.tokens)} accepted")
-        n = sum(self._counted[len(self._counted) - k:]) if k else 0
+        n = sum(self._counted[len(self._counted) - k :]) if k else 0
         if n and not self._m.rollback(n):
             self._check()
             raise GrammarError(f"grammar engine refused to roll back {k} tokens")
-        del self.tokens[len(self.tokens) - k:], self._counted[len(self._counted) - k:]
+        del self.tokens[len(self.tokens) - k :], self._counted[len(self._counted) - k :]
 
     def reset(self) -> None:
         """Back to the start (no token accepted)."""

@@ -21,6 +21,7 @@ U+FFFD, as OpenAI shows it). `text_offset` counts characters of the decoded text
 Called by (next session) the last pipeline stage (token_logprobs, prompt_logprobs for echo) and the API
 (chat_logprobs, completion_logprobs); lm-eval's `local-completions` loglikelihood asks for echo + logprobs.
 """
+
 from __future__ import annotations
 
 import codecs
@@ -29,8 +30,15 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["TokenLogprobs", "token_logprobs", "prompt_logprobs", "chat_logprobs", "completion_logprobs",
-           "MAX_TOP_LOGPROBS", "NEG_INF_LOGPROB"]
+__all__ = [
+    "TokenLogprobs",
+    "token_logprobs",
+    "prompt_logprobs",
+    "chat_logprobs",
+    "completion_logprobs",
+    "MAX_TOP_LOGPROBS",
+    "NEG_INF_LOGPROB",
+]
 
 MAX_TOP_LOGPROBS = 20
 NEG_INF_LOGPROB = -9999.0
@@ -46,8 +54,12 @@ class TokenLogprobs:
     top_logprobs: list[list[float]]
 
     def __add__(self, other: TokenLogprobs) -> TokenLogprobs:
-        return TokenLogprobs(self.ids + other.ids, self.logprobs + other.logprobs, self.top_ids + other.top_ids,
-                             self.top_logprobs + other.top_logprobs)
+        return TokenLogprobs(
+            self.ids + other.ids,
+            self.logprobs + other.logprobs,
+            self.top_ids + other.top_ids,
+            self.top_logprobs + other.top_logprobs,
+        )
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -96,9 +108,16 @@ def chat_logprobs(lp: TokenLogprobs, vocab: Sequence[bytes]) -> dict:
     """The chat completion choice's `logprobs` object: {"content": [...]} (refusal None)."""
     content = []
     for i, x, tids, tlps in zip(lp.ids, lp.logprobs, lp.top_ids, lp.top_logprobs):
-        content.append({"token": _text(vocab, i), "logprob": x, "bytes": list(vocab[i]),
-                        "top_logprobs": [{"token": _text(vocab, t), "logprob": y, "bytes": list(vocab[t])}
-                                         for t, y in zip(tids, tlps)]})
+        content.append(
+            {
+                "token": _text(vocab, i),
+                "logprob": x,
+                "bytes": list(vocab[i]),
+                "top_logprobs": [
+                    {"token": _text(vocab, t), "logprob": y, "bytes": list(vocab[t])} for t, y in zip(tids, tlps)
+                ],
+            }
+        )
     return {"content": content, "refusal": None}
 
 
@@ -119,5 +138,9 @@ def completion_logprobs(lp: TokenLogprobs, vocab: Sequence[bytes], text_offset0:
         for t, y in zip(tids, tlps):
             d.setdefault(_text(vocab, t), y)  # two ids with the same text: the likelier one (topk is sorted)
         tops.append(d)
-    return {"tokens": [_text(vocab, i) for i in lp.ids], "token_logprobs": list(lp.logprobs), "top_logprobs": tops,
-            "text_offset": offsets}
+    return {
+        "tokens": [_text(vocab, i) for i in lp.ids],
+        "token_logprobs": list(lp.logprobs),
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }

@@ -11,6 +11,7 @@ back only the longest suffix that is a prefix of some marker, so ordinary text i
 a marker could be. The parsers of `toolcalls.py` and `reasoning.py` are built on it; `find_markers` is the
 same search for a complete text.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -59,10 +60,11 @@ class MarkerSplitter:
             events.append(("marker", m))
             start = i + len(m)
         rest = buf[start:]
-        keep = next((k for k in range(min(len(rest), len(self.markers[0]) - 1), 0, -1)
-                     if rest[-k:] in self._prefixes), 0)
-        events.append(("text", rest[:len(rest) - keep]))
-        self._held = rest[len(rest) - keep:]
+        keep = next(
+            (k for k in range(min(len(rest), len(self.markers[0]) - 1), 0, -1) if rest[-k:] in self._prefixes), 0
+        )
+        events.append(("text", rest[: len(rest) - keep]))
+        self._held = rest[len(rest) - keep :]
         return _merge(events)
 
     def flush(self) -> list[tuple[str, str]]:

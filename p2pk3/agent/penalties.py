@@ -21,6 +21,7 @@ Rows whose parameters are all neutral are left bit-identical.
 Called by (next session) the last pipeline stage before sampling (and before the grammar mask); the API
 validates the request's fields with `Penalties.from_request`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -80,6 +81,7 @@ class Penalties:
     @classmethod
     def from_request(cls, body: Mapping, vocab_size: int) -> Penalties:
         """From an OpenAI / vLLM request body (missing or null fields are neutral)."""
+
         def num(name, default):
             v = body.get(name)
             if v is None:
@@ -88,13 +90,23 @@ class Penalties:
                 raise PenaltyError(f"{name} must be a number, got {v!r}")
             return float(v)
 
-        return cls(num("frequency_penalty", 0.0), num("presence_penalty", 0.0), num("repetition_penalty", 1.0),
-                   num("min_p", 0.0), parse_logit_bias(body.get("logit_bias"), vocab_size))
+        return cls(
+            num("frequency_penalty", 0.0),
+            num("presence_penalty", 0.0),
+            num("repetition_penalty", 1.0),
+            num("min_p", 0.0),
+            parse_logit_bias(body.get("logit_bias"), vocab_size),
+        )
 
     @property
     def neutral(self) -> bool:
-        return (self.frequency_penalty == 0 and self.presence_penalty == 0 and self.repetition_penalty == 1
-                and self.min_p == 0 and not self.logit_bias)
+        return (
+            self.frequency_penalty == 0
+            and self.presence_penalty == 0
+            and self.repetition_penalty == 1
+            and self.min_p == 0
+            and not self.logit_bias
+        )
 
 
 def _counts(ids: Sequence, batch: int, vocab: int, device) -> torch.Tensor:
@@ -109,8 +121,12 @@ def _counts(ids: Sequence, batch: int, vocab: int, device) -> torch.Tensor:
     return counts[:, :vocab]
 
 
-def apply_penalties(logits: torch.Tensor, params: Sequence[Penalties], prompt_ids: Sequence | None = None,
-                    output_ids: Sequence | None = None) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor,
+    params: Sequence[Penalties],
+    prompt_ids: Sequence | None = None,
+    output_ids: Sequence | None = None,
+) -> torch.Tensor:
     """Steps 1-3 of the module doc on logits (B, V), in place; returns logits. prompt_ids / output_ids: per
     row the prompt's and the generated ids (lists or 1-D tensors); None = none."""
     if logits.dim() != 2:

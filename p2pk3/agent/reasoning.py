@@ -19,6 +19,7 @@ reasoning (the output was cut off while thinking). A marker split across token t
 Called by (next session) the API: the decoded output (special tokens kept) goes through this first; its
 content then goes through `toolcalls.py`.
 """
+
 from __future__ import annotations
 
 import re
@@ -27,8 +28,14 @@ from dataclasses import dataclass
 
 from .markers import MarkerSplitter
 
-__all__ = ["ReasoningFormat", "NoReasoningFormat", "discover_reasoning_format", "split_reasoning",
-           "ParsedReasoning", "ReasoningStream"]
+__all__ = [
+    "ReasoningFormat",
+    "NoReasoningFormat",
+    "discover_reasoning_format",
+    "split_reasoning",
+    "ParsedReasoning",
+    "ReasoningStream",
+]
 
 _WORDS = ("think", "thinking", "reasoning", "thought")
 _TAG = re.compile(r"<(/?)(think|thinking|reasoning|thought)>")
@@ -60,7 +67,9 @@ def _edge(token: str) -> str | None:
     return "begin"
 
 
-def discover_reasoning_format(special_tokens: Iterable[str], template: str | None) -> ReasoningFormat | NoReasoningFormat:
+def discover_reasoning_format(
+    special_tokens: Iterable[str], template: str | None
+) -> ReasoningFormat | NoReasoningFormat:
     """The thinking begin / end markers of a checkpoint (module doc); NoReasoningFormat (falsy) otherwise.
     template None: special tokens are not checked against it, and no literal tags are looked for."""
     found: dict[str, list[str]] = {}
@@ -76,8 +85,10 @@ def discover_reasoning_format(special_tokens: Iterable[str], template: str | Non
         for word in _WORDS:
             if ("", word) in tags and ("/", word) in tags:
                 return ReasoningFormat(f"<{word}>", f"</{word}>")
-    return NoReasoningFormat("this checkpoint has no thinking tokens: no special token named think / thinking / "
-                             "reasoning used by its chat template, and no <think>...</think> tag pair in it")
+    return NoReasoningFormat(
+        "this checkpoint has no thinking tokens: no special token named think / thinking / "
+        "reasoning used by its chat template, and no <think>...</think> tag pair in it"
+    )
 
 
 @dataclass
@@ -86,7 +97,9 @@ class ParsedReasoning:
     content: str
 
 
-def split_reasoning(text: str, fmt: ReasoningFormat | NoReasoningFormat, starts_inside: bool = False) -> ParsedReasoning:
+def split_reasoning(
+    text: str, fmt: ReasoningFormat | NoReasoningFormat, starts_inside: bool = False
+) -> ParsedReasoning:
     """reasoning_content and content of a complete output."""
     s = ReasoningStream(fmt, starts_inside)
     deltas = s.feed(text) + s.finish()

@@ -27,6 +27,7 @@ can only be found at the call's end: it is reported in `errors` (the client has 
 Called by (next session) the API's chat completion: on the decoded output with special tokens kept, after
 `reasoning.py` has taken the thinking out.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,15 @@ from dataclasses import dataclass, field
 
 from .markers import MarkerSplitter, find_markers
 
-__all__ = ["ToolCallFormat", "NoToolFormat", "discover_tool_format", "parse_tool_calls", "ParsedToolCalls",
-           "ToolCallStream", "tool_names"]
+__all__ = [
+    "ToolCallFormat",
+    "NoToolFormat",
+    "discover_tool_format",
+    "parse_tool_calls",
+    "ParsedToolCalls",
+    "ToolCallStream",
+    "tool_names",
+]
 
 _HEADER = re.compile(r"\s*(?:functions\.)?(?P<name>[A-Za-z0-9_\-.]+?)(?::(?P<idx>\d+))?\s*")
 
@@ -54,8 +62,9 @@ class ToolCallFormat:
 
     @property
     def markers(self) -> tuple[str, ...]:
-        return tuple(m for m in (self.section_begin, self.section_end, self.call_begin, self.argument_begin,
-                                 self.call_end) if m)
+        return tuple(
+            m for m in (self.section_begin, self.section_end, self.call_begin, self.argument_begin, self.call_end) if m
+        )
 
     def __bool__(self) -> bool:
         return True
@@ -103,14 +112,17 @@ def discover_tool_format(special_tokens: Iterable[str], template: str | None) ->
     missing = [r for r in need if r not in roles]
     if missing:
         where = " used by the chat template" if template is not None else ""
-        return NoToolFormat(f"this checkpoint has no tool-call tokens: no special token{where} for "
-                            f"{', '.join(missing)} (looked for names like <|tool_call_begin|>, "
-                            "<|tool_call_argument_begin|>, <|tool_call_end|>)")
+        return NoToolFormat(
+            f"this checkpoint has no tool-call tokens: no special token{where} for "
+            f"{', '.join(missing)} (looked for names like <|tool_call_begin|>, "
+            "<|tool_call_argument_begin|>, <|tool_call_end|>)"
+        )
     if ("section_begin" in roles) != ("section_end" in roles):
         return NoToolFormat(f"tool-call section tokens come in pairs; found only {sorted(roles)}")
     one = {r: t[0] for r, t in roles.items()}
-    return ToolCallFormat(one["call_begin"], one["argument_begin"], one["call_end"], one.get("section_begin"),
-                          one.get("section_end"))
+    return ToolCallFormat(
+        one["call_begin"], one["argument_begin"], one["call_end"], one.get("section_begin"), one.get("section_end")
+    )
 
 
 def tool_names(tools: Sequence[Mapping] | None) -> set[str] | None:
@@ -155,7 +167,7 @@ class ParsedToolCalls:
 
     @property
     def finish_reason(self) -> str | None:
-        """"tool_calls" when there is one (else the caller's own: stop or length)."""
+        """ "tool_calls" when there is one (else the caller's own: stop or length)."""
         return "tool_calls" if self.tool_calls else None
 
 
@@ -198,8 +210,12 @@ class _Machine:
             if err:
                 self.errors.append(f"tool call {self.n - 1}: {err}")
             else:
-                self.call = {"index": len(self.calls), "id": call_id, "type": "function",
-                             "function": {"name": name, "arguments": ""}}
+                self.call = {
+                    "index": len(self.calls),
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": name, "arguments": ""},
+                }
                 out.append(("call", self.call))
             self.state = "arguments"
         elif s == f.call_end and st == "arguments":
@@ -222,8 +238,9 @@ class _Machine:
             self.call = None
 
 
-def parse_tool_calls(text: str, fmt: ToolCallFormat | NoToolFormat,
-                     tools: Sequence[Mapping] | None = None) -> ParsedToolCalls:
+def parse_tool_calls(
+    text: str, fmt: ToolCallFormat | NoToolFormat, tools: Sequence[Mapping] | None = None
+) -> ParsedToolCalls:
     """Content and OpenAI tool_calls of a complete output (decoded with special tokens kept)."""
     if not fmt:
         return ParsedToolCalls(text)
@@ -260,8 +277,9 @@ class ToolCallStream:
             elif kind == "call":
                 self._announced += 1
                 fn = {"name": v["function"]["name"], "arguments": ""}
-                deltas.append({"tool_calls": [{"index": v["index"], "id": v["id"], "type": "function",
-                                               "function": fn}]})
+                deltas.append(
+                    {"tool_calls": [{"index": v["index"], "id": v["id"], "type": "function", "function": fn}]}
+                )
             elif kind == "arguments" and v[1]:
                 idx, v = v
                 last = deltas[-1]["tool_calls"][0] if deltas and "tool_calls" in deltas[-1] else None

@@ -14,6 +14,7 @@ it; markers that are plain text are literals. After the section only a stop toke
 
 Called by (next session) the API, when a request has tools and tool_choice required / named.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,18 +39,27 @@ def chosen_tools(tools: Sequence[Mapping] | None, tool_choice) -> list[Mapping] 
         name = (tool_choice.get("function") or {}).get("name")
         named = [f for f in fns if f.get("name") == name]
         if not named:
-            raise GrammarError(f"tool_choice names {name!r}, which is not among the tools {[f.get('name') for f in fns]}")
+            raise GrammarError(
+                f"tool_choice names {name!r}, which is not among the tools {[f.get('name') for f in fns]}"
+            )
         return named[:1]
-    raise GrammarError(f'tool_choice must be "auto", "none", "required" or {{"type": "function", "function": '
-                       f'{{"name": ...}}}}, got {tool_choice!r}')
+    raise GrammarError(
+        f'tool_choice must be "auto", "none", "required" or {{"type": "function", "function": '
+        f'{{"name": ...}}}}, got {tool_choice!r}'
+    )
 
 
 def _marker(text: str, special: Mapping[str, int]) -> str:
     return f"<[{special[text]}]>" if text in special else json.dumps(text)
 
 
-def tool_call_grammar(fmt: ToolCallFormat, tools: Sequence[Mapping] | None, tool_choice,
-                      special: Mapping[str, int], parallel_tool_calls: bool = True) -> str | None:
+def tool_call_grammar(
+    fmt: ToolCallFormat,
+    tools: Sequence[Mapping] | None,
+    tool_choice,
+    special: Mapping[str, int],
+    parallel_tool_calls: bool = True,
+) -> str | None:
     """The Lark grammar (llguidance dialect) of a forced tool-call section (module doc); None if nothing is
     forced. special: the tokenizer's special-token text -> id."""
     if not fmt:
@@ -66,13 +76,23 @@ def tool_call_grammar(fmt: ToolCallFormat, tools: Sequence[Mapping] | None, tool
         if not isinstance(params, Mapping):
             raise GrammarError(f"tool {name!r}: parameters must be a JSON schema object")
         strict = bool(fn.get("strict", True))
-        schema = dict(params, **{"x-guidance": {"whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{0,{MAX_WHITESPACE}}}",
-                                                "lenient": not strict}})
+        schema = dict(
+            params,
+            **{
+                "x-guidance": {
+                    "whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{0,{MAX_WHITESPACE}}}",
+                    "lenient": not strict,
+                }
+            },
+        )
         rules.append(f"args_{k}: %json {json.dumps(schema)}")
         alts.append(f'"functions." {json.dumps(name)} ":" IDX {_marker(fmt.argument_begin, special)} args_{k}')
     body = " | ".join(f"({a})" for a in alts)
     call = f"call: {_marker(fmt.call_begin, special)} ({body}) {_marker(fmt.call_end, special)}"
     calls = "call+" if parallel_tool_calls else "call"
-    start = f"start: {_marker(fmt.section_begin, special)} {calls} {_marker(fmt.section_end, special)}" \
-        if fmt.section_begin else f"start: {calls}"
-    return "\n".join([start, call, 'IDX: /[0-9]{1,4}/', *rules]) + "\n"
+    start = (
+        f"start: {_marker(fmt.section_begin, special)} {calls} {_marker(fmt.section_end, special)}"
+        if fmt.section_begin
+        else f"start: {calls}"
+    )
+    return "\n".join([start, call, "IDX: /[0-9]{1,4}/", *rules]) + "\n"

@@ -12,6 +12,7 @@ grammar as if it were ordinary output.
 
 Called by `p2pk3.agent.grammar` (the engine's tokenizer, once per tokenizer) and `tools/bench_grammar.py`.
 """
+
 from __future__ import annotations
 
 import re
@@ -69,8 +70,10 @@ def _hf_token_bytes(tok) -> list[bytes | None]:
             m = _BYTE_FALLBACK.fullmatch(s)
             out[i] = bytes([int(m.group(1), 16)]) if m else s.replace("\u2581", " ").encode()
     else:
-        raise VocabError(f"tokenizer.json decoder {sorted(kinds) or 'none'}: only byte-level BPE (ByteLevel) and "
-                         "SentencePiece-style (Metaspace / ByteFallback) vocabularies can be turned into bytes")
+        raise VocabError(
+            f"tokenizer.json decoder {sorted(kinds) or 'none'}: only byte-level BPE (ByteLevel) and "
+            "SentencePiece-style (Metaspace / ByteFallback) vocabularies can be turned into bytes"
+        )
     for i, t in tok.get_added_tokens_decoder().items():
         out[i] = t.content.encode()
     return out

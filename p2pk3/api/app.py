@@ -12,6 +12,7 @@ With an API key every /v1 route needs `Authorization: Bearer KEY` (401 otherwise
 shape `{"error": {"message", "type", "param", "code"}}`: 400 invalid body (param names the field), 401,
 404 unknown model or route, 429 the cluster is busy, 503 a stage is down or no entry answers.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -74,8 +75,12 @@ async def _errors_and_metrics(request: web.Request, handler):
         resp = e.response()
     except web.HTTPException as e:  # aiohttp's own (404 route, 405 method, 413 body too large)
         kind = "not_found_error" if e.status == 404 else "invalid_request_error"
-        resp = ApiError(e.status, e.reason if e.status != 404 else f"no route {request.method} {request.path}",
-                        type=kind, code=str(e.status)).response()
+        resp = ApiError(
+            e.status,
+            e.reason if e.status != 404 else f"no route {request.method} {request.path}",
+            type=kind,
+            code=str(e.status),
+        ).response()
     except Exception:  # a bug of ours: 500 in OpenAI's shape, the server keeps running
         log.exception("unexpected error serving %s %s", request.method, request.path)
         resp = ApiError(500, "internal server error (see the server's log)", type="server_error").response()
@@ -141,13 +146,20 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     cfg: ApiConfig = app[CONFIG]
     req = parse_request(await _json_body(request), kind, app[PROMPTS].context_len)
     if req.model is not None and req.model != cfg.model_name:
-        raise ApiError(404, f"the model `{req.model}` does not exist (this server has `{cfg.model_name}`)",
-                       param="model", code="model_not_found")
+        raise ApiError(
+            404,
+            f"the model `{req.model}` does not exist (this server has `{cfg.model_name}`)",
+            param="model",
+            code="model_not_found",
+        )
     p = _prompt(app, req)
     route = _route_of(request)
     gen = Generation(app[CLUSTER], app[PROMPTS].tok, p.ids, p.params, req.stop, app[METRICS], route, t_arrival)
-    meta = {"id": ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12),
-            "created": int(time.time()), "model": cfg.model_name}
+    meta = {
+        "id": ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12),
+        "created": int(time.time()),
+        "model": cfg.model_name,
+    }
     app[METRICS].in_flight.inc()
     try:
         async with gen:
@@ -162,8 +174,12 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
 
 def _full_response(kind: str, gen: Generation, meta: dict) -> dict:
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": gen.text}, "logprobs": None,
-                  "finish_reason": gen.finish_reason}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": gen.text},
+            "logprobs": None,
+            "finish_reason": gen.finish_reason,
+        }
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": gen.text, "logprobs": None, "finish_reason": gen.finish_reason}

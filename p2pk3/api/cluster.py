@@ -5,6 +5,7 @@ connection (and the entry batches them). Connections whose request ended cleanly
 of idle ones (saving a connect + handshake + entry probe per request); a connection whose request was
 cancelled or failed is closed. `Client.for_topology` finds whichever node holds the entry role now and
 resumes a request when the entry dies (a standby takes over)."""
+
 from __future__ import annotations
 
 from typing import Callable
@@ -34,11 +35,16 @@ class Cluster:
         try:
             return await Client.for_topology(self.topo, self.secret, node_id="api", timeout=self.connect_timeout_s)
         except RequestError as e:
-            raise ApiError(503, f"no entry node of the cluster is reachable: {e.message}", type="service_unavailable",
-                           code="unavailable") from None
+            raise ApiError(
+                503,
+                f"no entry node of the cluster is reachable: {e.message}",
+                type="service_unavailable",
+                code="unavailable",
+            ) from None
 
-    async def generate(self, prompt: list[int], params: SamplingParams,
-                       on_token: Callable[[int], None] | None = None) -> Reply:
+    async def generate(
+        self, prompt: list[int], params: SamplingParams, on_token: Callable[[int], None] | None = None
+    ) -> Reply:
         """The reply; cluster errors become ApiError (busy 429, unavailable 503, ...). Cancelling the
         awaiting task cancels the request in the ring."""
         c = await self._client()
@@ -61,4 +67,3 @@ class Cluster:
         for c in self._idle:
             c.close()
         self._idle.clear()
-

@@ -1,5 +1,6 @@
 """`ApiError`: an HTTP error in OpenAI's shape `{"error": {"message", "type", "param", "code"}}`, and the
 mapping of the cluster's `RequestError` codes onto HTTP statuses."""
+
 from __future__ import annotations
 
 from aiohttp import web
@@ -15,8 +16,15 @@ _CLUSTER_CODES = {
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 

@@ -13,6 +13,7 @@ session itself). A stop *sequence* match ends the text before it, and cancels th
 caches are freed). Running out of `max_tokens` is finish_reason "length". A cluster error before the first
 token or during the stream is raised as ApiError from `pieces()`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,8 +27,17 @@ _DONE = object()
 
 
 class Generation:
-    def __init__(self, cluster, tok, prompt_ids: list[int], params: SamplingParams, stops: list[str], metrics,
-                 route: str, t_arrival: float):
+    def __init__(
+        self,
+        cluster,
+        tok,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        stops: list[str],
+        metrics,
+        route: str,
+        t_arrival: float,
+    ):
         self.cluster, self.tok = cluster, tok
         self.prompt_ids, self.params = prompt_ids, params
         self.matcher = StopMatcher(stops)
@@ -44,12 +54,16 @@ class Generation:
         return len(self.prompt_ids)
 
     def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
 
     async def __aenter__(self) -> "Generation":
-        self._task = asyncio.ensure_future(self.cluster.generate(self.prompt_ids, self.params,
-                                                                 on_token=self._q.put_nowait))
+        self._task = asyncio.ensure_future(
+            self.cluster.generate(self.prompt_ids, self.params, on_token=self._q.put_nowait)
+        )
         self._task.add_done_callback(lambda _: self._q.put_nowait(_DONE))
         self.metrics.prompt.labels(self.route).inc(self.prompt_tokens)
         return self
@@ -107,8 +121,11 @@ class Generation:
             tail = self.matcher.push(dec.flush())
             if self.matcher.stopped is None:
                 tail += self.matcher.flush()
-            self.finish_reason = "stop" if self.matcher.stopped is not None else \
-                ("length" if self.completion_tokens >= self.params.max_tokens else "stop")
+            self.finish_reason = (
+                "stop"
+                if self.matcher.stopped is not None
+                else ("length" if self.completion_tokens >= self.params.max_tokens else "stop")
+            )
             if tail:
                 yield self._emit(tail)
 

@@ -10,6 +10,7 @@ options have (p2pk3/params.py). Fields that would change the
 output in a way this server does not implement (`logprobs`, `echo`, `suffix`, `best_of` > 1, non-zero
 penalties, `logit_bias`) are refused rather than ignored. Other unknown fields are ignored, as OpenAI does.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -64,7 +65,7 @@ def _content(v: Any, where: str) -> str:
         out = []
         for i, part in enumerate(v):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_param(f"{where}[{i}]", "only text parts are supported ({\"type\": \"text\", \"text\": ...})")
+                raise bad_param(f"{where}[{i}]", 'only text parts are supported ({"type": "text", "text": ...})')
             out.append(part["text"])
         return "".join(out)
     raise bad_param(where, f"must be a string or a list of text parts, got {type(v).__name__}")
@@ -86,8 +87,10 @@ def _messages(v: Any) -> list[dict]:
         content = m.get("content")
         if content is None and not (role == "assistant" and m.get("tool_calls")):
             raise bad_param(f"{where}.content", "is required")
-        msg = {"role": "system" if role == "developer" else role,
-               "content": "" if content is None else _content(content, f"{where}.content")}
+        msg = {
+            "role": "system" if role == "developer" else role,
+            "content": "" if content is None else _content(content, f"{where}.content"),
+        }
         name = m.get("name")
         if name is not None:
             if not isinstance(name, str):
@@ -158,8 +161,12 @@ def parse_request(body: Any, kind: str, max_tokens_limit: int) -> GenRequest:
         raise bad_param("model", "required: the id of the model to use (GET /v1/models lists it)")
     if kind == "chat":
         req.messages = _messages(body.get("messages"))
-        tools = _opt(body, "tools", lambda v: isinstance(v, list) and all(isinstance(t, dict) for t in v),
-                     "a list of tool objects")
+        tools = _opt(
+            body,
+            "tools",
+            lambda v: isinstance(v, list) and all(isinstance(t, dict) for t in v),
+            "a list of tool objects",
+        )
         req.tools = tools or None
     else:
         req.prompt = _prompt(body.get("prompt"))
@@ -188,12 +195,18 @@ def parse_request(body: Any, kind: str, max_tokens_limit: int) -> GenRequest:
     draft = _opt(body, "draft_tokens", lambda v: _is_int(v) and 1 <= v <= MAX_DRAFT, f"an integer in [1, {MAX_DRAFT}]")
     req.sampling = SamplingOverrides(
         max_tokens=max_tokens,
-        temperature=_opt(body, "temperature", lambda v: _is_num(v) and 0 <= v <= MAX_TEMPERATURE,
-                         f"a number in [0, {MAX_TEMPERATURE:g}]"),
+        temperature=_opt(
+            body,
+            "temperature",
+            lambda v: _is_num(v) and 0 <= v <= MAX_TEMPERATURE,
+            f"a number in [0, {MAX_TEMPERATURE:g}]",
+        ),
         top_p=_opt(body, "top_p", lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]"),
         top_k=None if top_k is None else max(top_k, 0),
         seed=_opt(body, "seed", lambda v: _is_int(v) and 0 <= v <= MAX_SEED, f"an integer in [0, {MAX_SEED}]"),
         ignore_eos=bool(_opt(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false")),
-        speculate=spec or "off", draft_tokens=DEFAULT_DRAFT if draft is None else draft)
+        speculate=spec or "off",
+        draft_tokens=DEFAULT_DRAFT if draft is None else draft,
+    )
     req.stop = _stop(body.get("stop"))
     return req

@@ -1,6 +1,7 @@
 """Running the API server: `serve(...)` (what `p2pk3 serve` runs, on the uvloop loop) and the pieces it
 reads from the topology (model name, API key); prompts and the context length come from the model
 directory through p2pk3/frontends/prompt.py."""
+
 from __future__ import annotations
 
 import asyncio
@@ -13,6 +14,7 @@ from aiohttp import web
 from .app import ApiConfig, create_app
 from .cluster import Cluster
 
+
 def read_api_key(path: str | Path) -> str:
     """The key in `path` (whitespace stripped); ValueError for an empty or unreadable file."""
     p = Path(path)
@@ -21,8 +23,9 @@ def read_api_key(path: str | Path) -> str:
     except OSError as e:
         raise ValueError(f"--api-key-file {p}: cannot read it ({e.strerror})") from None
     if not key or any(c.isspace() for c in key):
-        raise ValueError(f"--api-key-file {p}: must hold one key (no spaces), found "
-                         f"{'nothing' if not key else 'whitespace inside'}")
+        raise ValueError(
+            f"--api-key-file {p}: must hold one key (no spaces), found {'nothing' if not key else 'whitespace inside'}"
+        )
     return key
 
 
@@ -31,14 +34,18 @@ def default_model_name(model_dir: Path, topo) -> str:
     return topo.model.repo or Path(model_dir).name
 
 
-async def serve(topo, model_dir: Path, *, host: str, port: int, api_key: str | None, model_name: str | None,
-                ready=None) -> None:
+async def serve(
+    topo, model_dir: Path, *, host: str, port: int, api_key: str | None, model_name: str | None, ready=None
+) -> None:
     """Serve until SIGINT / SIGTERM. `ready(url)` is called once the port listens."""
     from p2pk3.frontends.prompt import PromptBuilder
 
     cluster = Cluster(topo)
-    app = create_app(cluster, PromptBuilder.from_pretrained(model_dir),
-                     ApiConfig(model_name or default_model_name(model_dir, topo), api_key))
+    app = create_app(
+        cluster,
+        PromptBuilder.from_pretrained(model_dir),
+        ApiConfig(model_name or default_model_name(model_dir, topo), api_key),
+    )
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     stop = asyncio.Event()

@@ -1,4 +1,5 @@
 """Server-sent events as OpenAI streams them: `data: {json}\\n\\n` per chunk, `data: [DONE]\\n\\n` at the end."""
+
 from __future__ import annotations
 
 import json
@@ -9,17 +10,23 @@ from aiohttp import web
 class SSE:
     def __init__(self, request: web.Request):
         self.request = request
-        self.response = web.StreamResponse(status=200, headers={
-            "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no"})
+        self.response = web.StreamResponse(
+            status=200,
+            headers={
+                "Content-Type": "text/event-stream; charset=utf-8",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+            },
+        )
 
     async def open(self) -> None:
         await self.response.prepare(self.request)
 
     async def send(self, obj: dict) -> None:
         """One event; raises ConnectionResetError when the client has gone away."""
-        await self.response.write(b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
-                                  + b"\n\n")
+        await self.response.write(
+            b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+        )
 
     async def done(self) -> None:
         await self.response.write(b"data: [DONE]\n\n")

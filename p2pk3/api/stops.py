@@ -6,6 +6,7 @@ stop sequence, and nothing after (or of) a matched stop sequence is ever release
     if m.stopped: ...          # a stop sequence matched: `out` is the text before it; stop generating
     out = m.flush()            # end of the stream: whatever is still held
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -30,8 +31,8 @@ class StopMatcher:
             self.stopped, self._held = s, ""
             return buf[:i]
         keep = self._prefix_len(buf)
-        self._held = buf[len(buf) - keep:] if keep else ""
-        return buf[:len(buf) - keep]
+        self._held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep]
 
     def flush(self) -> str:
         out, self._held = ("" if self.stopped is not None else self._held), ""

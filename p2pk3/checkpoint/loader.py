@@ -11,6 +11,7 @@
   from the safetensors header), and E8M0 scales / the KDA `A_log` padding are checked after.
 Errors are `CheckpointError` and name the canonical tensor, the stored name and the file.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,16 @@ from ..model.config import K3Config
 from ..model.weights import TensorSpec, embed_tensors, head_tensors, layer_tensors
 
 __all__ = [
-    "CheckpointError", "LoadStats", "StageWeights", "CheckpointReader", "load_stage_weights",
-    "stage_tensor_specs", "canonical_name", "is_skipped_name", "INDEX_FILE", "SINGLE_FILE",
+    "CheckpointError",
+    "LoadStats",
+    "StageWeights",
+    "CheckpointReader",
+    "load_stage_weights",
+    "stage_tensor_specs",
+    "canonical_name",
+    "is_skipped_name",
+    "INDEX_FILE",
+    "SINGLE_FILE",
 ]
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -42,9 +51,18 @@ _SKIP_RE = re.compile(
 )
 
 _ST_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
-    "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 _FLOAT_OK = {"BF16", "F16", "F32"}
 
@@ -60,7 +78,7 @@ def is_skipped_name(stored: str) -> bool:
 
 def canonical_name(stored: str) -> str:
     """Stored checkpoint name -> canonical name of `p2pk3.model.weights` (strips `language_model.`)."""
-    return stored[len(LM_PREFIX):] if stored.startswith(LM_PREFIX) else stored
+    return stored[len(LM_PREFIX) :] if stored.startswith(LM_PREFIX) else stored
 
 
 @dataclass
@@ -133,8 +151,9 @@ class CheckpointReader:
                 continue
             canon = canonical_name(stored)
             if canon in self.names:
-                raise CheckpointError(f"{where}: tensor {canon!r} is stored twice, as {self.names[canon][0]!r} "
-                                      f"and {stored!r}")
+                raise CheckpointError(
+                    f"{where}: tensor {canon!r} is stored twice, as {self.names[canon][0]!r} and {stored!r}"
+                )
             self.names[canon] = (stored, fn)
         self.stats = LoadStats()  # cumulative over all `read` calls of this reader
 
@@ -151,9 +170,15 @@ class CheckpointReader:
         unexpected = sorted(n for n in self.names if n not in specs)
         return missing, unexpected
 
-    def read(self, specs: Mapping[str, TensorSpec], *, cast: bool = True,
-             a_log_heads: Mapping[str, int] | None = None, stats: LoadStats | None = None,
-             check_finite: bool = True) -> StageWeights:
+    def read(
+        self,
+        specs: Mapping[str, TensorSpec],
+        *,
+        cast: bool = True,
+        a_log_heads: Mapping[str, int] | None = None,
+        stats: LoadStats | None = None,
+        check_finite: bool = True,
+    ) -> StageWeights:
         """Read and validate exactly the tensors of `specs` (canonical name -> TensorSpec).
 
         `cast`: convert accepted alternative float dtypes to the spec dtype. `a_log_heads`: for KDA
@@ -164,8 +189,9 @@ class CheckpointReader:
         if missing:
             src = self.index_path or (self.dir / SINGLE_FILE)
             more = "" if len(missing) <= 5 else f" and {len(missing) - 5} more"
-            raise CheckpointError(f"tensor {missing[0]!r} is missing from the checkpoint {src} "
-                                  f"(missing: {missing[:5]}{more})")
+            raise CheckpointError(
+                f"tensor {missing[0]!r} is missing from the checkpoint {src} (missing: {missing[:5]}{more})"
+            )
         by_file: dict[str, list[str]] = defaultdict(list)
         for n in specs:
             by_file[self.names[n][1]].append(n)
@@ -174,16 +200,24 @@ class CheckpointReader:
         got: dict[str, torch.Tensor] = {}
         for fn, canon_names in by_file.items():
             path = self.dir / fn
-            also = "" if len(canon_names) == 1 else (
-                f" (also needed from this file: {canon_names[1:4]}"
-                + (f" and {len(canon_names) - 4} more" if len(canon_names) > 4 else "") + ")")
+            also = (
+                ""
+                if len(canon_names) == 1
+                else (
+                    f" (also needed from this file: {canon_names[1:4]}"
+                    + (f" and {len(canon_names) - 4} more" if len(canon_names) > 4 else "")
+                    + ")"
+                )
+            )
             if not path.is_file():
                 raise CheckpointError(f"{self._where(canon_names[0])}: shard file does not exist{also}")
             try:
                 handle = safe_open(str(path), framework="pt")
             except Exception as e:
-                raise CheckpointError(f"{self._where(canon_names[0])}: cannot open shard "
-                                      f"(truncated or corrupt safetensors file?): {e}{also}") from None
+                raise CheckpointError(
+                    f"{self._where(canon_names[0])}: cannot open shard "
+                    f"(truncated or corrupt safetensors file?): {e}{also}"
+                ) from None
             st.files_opened.add(fn)
             self.stats.files_opened.add(fn)
             with handle as f:
@@ -194,8 +228,9 @@ class CheckpointReader:
                     self.stats.add(self.names[canon][0], t[1])
         return StageWeights(((n, got[n]) for n in specs), stats=st)
 
-    def _read_one(self, f, canon: str, spec: TensorSpec, cast: bool,
-                  a_log_heads: int | None, check_finite: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read_one(
+        self, f, canon: str, spec: TensorSpec, cast: bool, a_log_heads: int | None, check_finite: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         stored, _ = self.names[canon]
         where = self._where(canon)
         try:
@@ -203,7 +238,9 @@ class CheckpointReader:
             shape = tuple(sl.get_shape())
             dt = sl.get_dtype()
         except Exception as e:
-            raise CheckpointError(f"{where}: cannot read the tensor header (not in that shard, or corrupt file): {e}") from None
+            raise CheckpointError(
+                f"{where}: cannot read the tensor header (not in that shard, or corrupt file): {e}"
+            ) from None
 
         # dtype family
         if spec.dtype == torch.uint8:
@@ -211,16 +248,19 @@ class CheckpointReader:
                 raise CheckpointError(f"{where}: dtype {dt}, expected U8 (uint8 MXFP4 packed data / E8M0 scales)")
         elif spec.dtype.is_floating_point:
             if dt not in _FLOAT_OK:
-                raise CheckpointError(f"{where}: dtype {dt}, expected a float dtype (BF16/F16/F32; spec says "
-                                      f"{str(spec.dtype).removeprefix('torch.')})")
+                raise CheckpointError(
+                    f"{where}: dtype {dt}, expected a float dtype (BF16/F16/F32; spec says "
+                    f"{str(spec.dtype).removeprefix('torch.')})"
+                )
         elif _ST_DTYPES.get(dt) != spec.dtype:
             raise CheckpointError(f"{where}: dtype {dt}, expected {spec.dtype}")
 
         # shape (A_log may be padded / reshaped, see below)
         if a_log_heads is not None:
             if len([d for d in shape if d != 1]) > 1 or _numel(shape) < a_log_heads:
-                raise CheckpointError(f"{where}: shape {list(shape)}, expected a vector of length >= {a_log_heads} "
-                                      f"(number of KDA heads)")
+                raise CheckpointError(
+                    f"{where}: shape {list(shape)}, expected a vector of length >= {a_log_heads} (number of KDA heads)"
+                )
         elif shape != spec.shape:
             raise CheckpointError(f"{where}: shape {list(shape)}, expected {list(spec.shape)}")
 
@@ -235,8 +275,7 @@ class CheckpointReader:
             n_bad = int(bad.sum())
             if n_bad:
                 idx = bad.nonzero()[:4].tolist()
-                raise CheckpointError(f"{where}: {n_bad} of {t.numel()} E8M0 scales are 0xFF (NaN), "
-                                      f"first at {idx}")
+                raise CheckpointError(f"{where}: {n_bad} of {t.numel()} E8M0 scales are 0xFF (NaN), first at {idx}")
 
         if a_log_heads is not None:
             # K3 stores A_log as [128] with only the first num_heads (96) entries real, the rest zero
@@ -248,9 +287,11 @@ class CheckpointReader:
             tail = flat[a_log_heads:]
             if tail.numel() and bool((tail != 0).any()):
                 nz = (tail != 0).nonzero().flatten()[:4] + a_log_heads
-                raise CheckpointError(f"{where}: A_log padding past the {a_log_heads} real heads must be zero, "
-                                      f"found nonzero entries at {nz.tolist()} (uncertain spec fact: only the "
-                                      f"first num_heads entries are believed real)")
+                raise CheckpointError(
+                    f"{where}: A_log padding past the {a_log_heads} real heads must be zero, "
+                    f"found nonzero entries at {nz.tolist()} (uncertain spec fact: only the "
+                    f"first num_heads entries are believed real)"
+                )
             n = spec.shape[0]
             out = torch.zeros(n, dtype=flat.dtype)
             out[:a_log_heads] = flat[:a_log_heads]
@@ -272,9 +313,14 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 # ------------------------------------------------------------------------------------------------
-def stage_tensor_specs(cfg: K3Config, layers: Iterable[int], experts: Mapping[int, Iterable[int]] | None = None,
-                       embed: bool = False, head: bool = False,
-                       layer_parts: Mapping[int, tuple[str, ...]] | None = None) -> dict[str, TensorSpec]:
+def stage_tensor_specs(
+    cfg: K3Config,
+    layers: Iterable[int],
+    experts: Mapping[int, Iterable[int]] | None = None,
+    embed: bool = False,
+    head: bool = False,
+    layer_parts: Mapping[int, tuple[str, ...]] | None = None,
+) -> dict[str, TensorSpec]:
     """The TensorSpecs (canonical name -> spec) of a pipeline stage: the subset of `all_tensors(cfg)`
     that `load_stage_weights` loads with the same arguments."""
     L = cfg.num_hidden_layers
@@ -304,10 +350,19 @@ def stage_tensor_specs(cfg: K3Config, layers: Iterable[int], experts: Mapping[in
     return specs
 
 
-def load_stage_weights(ckpt_dir: str | Path, cfg: K3Config, layers: Iterable[int],
-                       experts: Mapping[int, Iterable[int]] | None = None, embed: bool = False, head: bool = False,
-                       layer_parts: Mapping[int, tuple[str, ...]] | None = None, *, cast: bool = True,
-                       check_finite: bool = True, reader: CheckpointReader | None = None) -> StageWeights:
+def load_stage_weights(
+    ckpt_dir: str | Path,
+    cfg: K3Config,
+    layers: Iterable[int],
+    experts: Mapping[int, Iterable[int]] | None = None,
+    embed: bool = False,
+    head: bool = False,
+    layer_parts: Mapping[int, tuple[str, ...]] | None = None,
+    *,
+    cast: bool = True,
+    check_finite: bool = True,
+    reader: CheckpointReader | None = None,
+) -> StageWeights:
     """Load and validate exactly the tensors of one pipeline stage (canonical name -> tensor).
 
     layers: decoder layers (0-indexed). experts[i]: routed expert ids held for MoE layer i (default all;

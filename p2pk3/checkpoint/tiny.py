@@ -9,6 +9,7 @@ Everything is bf16 on disk except the fp32 / uint8 tensors that `p2pk3.model.wei
 
     python tools/make_tiny_checkpoint.py --preset tiny-k3 --out /tmp/tiny --seed 0 --shards 3
 """
+
 from __future__ import annotations
 
 import argparse
@@ -115,10 +116,12 @@ def _from_state_dict(cfg: K3Config, sd: Mapping[str, torch.Tensor]) -> dict[str,
         if name.endswith("A_log"):
             t = t.reshape(-1)
             if t.numel() < cfg.kda_num_heads or t.numel() > spec.shape[0]:
-                raise ValueError(f"state_dict[{name!r}]: {t.numel()} entries, expected {cfg.kda_num_heads}..{spec.shape[0]}")
+                raise ValueError(
+                    f"state_dict[{name!r}]: {t.numel()} entries, expected {cfg.kda_num_heads}..{spec.shape[0]}"
+                )
             pad = torch.zeros(spec.shape, dtype=torch.float32)
-            pad[:cfg.kda_num_heads] = t[:cfg.kda_num_heads].float()
-            if t.numel() > cfg.kda_num_heads and bool((t[cfg.kda_num_heads:] != 0).any()):
+            pad[: cfg.kda_num_heads] = t[: cfg.kda_num_heads].float()
+            if t.numel() > cfg.kda_num_heads and bool((t[cfg.kda_num_heads :] != 0).any()):
                 raise ValueError(f"state_dict[{name!r}]: entries past the {cfg.kda_num_heads} real heads must be zero")
             t = pad
         elif tuple(t.shape) != spec.shape:
@@ -143,8 +146,14 @@ def _fake_multimodal(g: torch.Generator) -> dict[str, torch.Tensor]:
     }
 
 
-def write_checkpoint(out_dir: str | Path, cfg: K3Config, seed: int = 0, shards: int = 3, prefix: str | None = None,
-                     state_dict: Mapping[str, torch.Tensor] | None = None) -> Path:
+def write_checkpoint(
+    out_dir: str | Path,
+    cfg: K3Config,
+    seed: int = 0,
+    shards: int = 3,
+    prefix: str | None = None,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+) -> Path:
     """Write `cfg`'s full checkpoint to `out_dir` and return the directory.
 
     prefix: prepended to every text-tower name (default `language_model.` for kimi_k3, none for kimi_linear).

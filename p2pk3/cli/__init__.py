@@ -3,6 +3,7 @@
 
 User mistakes end in one clear line and a non-zero exit, never a traceback; `--verbose` (before the
 command: `p2pk3 --verbose local ...`) or P2PK3_DEBUG=1 shows the traceback."""
+
 from __future__ import annotations
 
 import sys

@@ -1,4 +1,5 @@
 """`p2pk3 chat`: a conversation with a running cluster (p2pk3/frontends/repl.py does the work)."""
+
 from __future__ import annotations
 
 import logging
@@ -24,8 +25,7 @@ def read_secret_file(path: str, param: str = "--secret-file") -> bytes:
     except OSError as e:
         raise click.BadParameter(f"cannot read {path}: {e.strerror or e}", param_hint=param) from None
     if len(data) < 16:
-        raise click.BadParameter(f"{path} holds {len(data)} bytes; a cluster secret has at least 16",
-                                 param_hint=param)
+        raise click.BadParameter(f"{path} holds {len(data)} bytes; a cluster secret has at least 16", param_hint=param)
     return data
 
 
@@ -34,16 +34,29 @@ def read_secret_file(path: str, param: str = "--secret-file") -> bytes:
 @state_option()
 @click.option("--connect", "address", help="HOST:PORT of the entry node (secret from --topology or --secret-file)")
 @click.option("--secret-file", type=click.Path(dir_okay=False), help="the cluster secret (with --connect)")
-@click.option("--local", "local_nodes", type=click.IntRange(min=1), default=None,
-              help="start a fresh local ring of N daemons for this chat (stopped at the end)")
+@click.option(
+    "--local",
+    "local_nodes",
+    type=click.IntRange(min=1),
+    default=None,
+    help="start a fresh local ring of N daemons for this chat (stopped at the end)",
+)
 @click.option("--model", help=MODEL_HELP + " (with --local or --connect; else the topology's)")
 @click.option("--system", default=None, help="system prompt")
 @sampling_options
 @speculation_options
-@click.option("--history", "history_file", type=click.Path(dir_okay=False), default="~/.p2pk3_chat_history",
-              show_default=True, help="readline history file")
+@click.option(
+    "--history",
+    "history_file",
+    type=click.Path(dir_okay=False),
+    default="~/.p2pk3_chat_history",
+    show_default=True,
+    help="readline history file",
+)
 @click.option("--no-history", is_flag=True, help="keep no history file")
-def chat(topology_path, state_file, address, secret_file, local_nodes, model, system, history_file, no_history, sampling):
+def chat(
+    topology_path, state_file, address, secret_file, local_nodes, model, system, history_file, no_history, sampling
+):
     """Chat with the cluster: answers stream as they are generated; /help lists the commands. With
     --topology the entry is found in the topology, and its secret and model are used.
 
@@ -65,11 +78,16 @@ def chat(topology_path, state_file, address, secret_file, local_nodes, model, sy
         if topology_path:
             raise click.UsageError("give --state or --topology, not both")
         topology_path = topology_of_state(state_file)
-    modes = [m for m, on in (("--topology", topology_path and not address), ("--connect", address),
-                             ("--local", local_nodes)) if on]
+    modes = [
+        m
+        for m, on in (("--topology", topology_path and not address), ("--connect", address), ("--local", local_nodes))
+        if on
+    ]
     if len(modes) != 1:
-        raise click.UsageError("give one of --topology T (or --state FILE), --connect HOST:PORT (with --topology or --secret-file), "
-                               "or --local N" + (f" (got {' and '.join(modes)})" if modes else ""))
+        raise click.UsageError(
+            "give one of --topology T (or --state FILE), --connect HOST:PORT (with --topology or --secret-file), "
+            "or --local N" + (f" (got {' and '.join(modes)})" if modes else "")
+        )
     if local_nodes and (topology_path or secret_file):
         raise click.UsageError("--local starts its own ring: it takes no --topology or --secret-file")
     if address and bool(topology_path) == bool(secret_file):
@@ -77,6 +95,7 @@ def chat(topology_path, state_file, address, secret_file, local_nodes, model, sy
     topo = None
     if topology_path:
         from p2pk3.topology import Topology
+
         topo = Topology.load(topology_path)
     mdir = model_dir(model) if (model or not topo) else topology_model_dir(topo)
     prompts = PromptBuilder.from_pretrained(mdir)
@@ -87,6 +106,7 @@ def chat(topology_path, state_file, address, secret_file, local_nodes, model, sy
     if local_nodes:
         from p2pk3.model.config import K3Config
         from p2pk3.node.local import LocalRing
+
         if local_nodes > K3Config.from_pretrained(mdir).num_hidden_layers:
             raise click.BadParameter("more nodes than the model has layers", param_hint="--local")
         click.echo(f"starting a local ring of {plural(local_nodes, 'daemon')} ...", err=True)
@@ -101,8 +121,7 @@ def chat(topology_path, state_file, address, secret_file, local_nodes, model, sy
         secret = topo.secret()
         factory = lambda: Client.for_topology(topo, secret)  # noqa: E731
     try:
-        run_chat(factory, prompts, sampling, system=system, history_file=history,
-                 banner=banner(mdir.name))
+        run_chat(factory, prompts, sampling, system=system, history_file=history, banner=banner(mdir.name))
     except ConnectionError as e:  # nobody answers: said in one line, not a bug
         raise UserError(str(e)) from None
     finally:

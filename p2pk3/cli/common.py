@@ -1,5 +1,6 @@
 """Shared pieces of the commands: model directories, the error type, prompts, the async runner (the
 shared options are in options.py)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,10 +22,12 @@ class UserError(click.ClickException):
 
 def model_dir(model: str | None, param: str = "--model") -> Path:
     from p2pk3 import default_model_dir
+
     p = Path(model) if model else default_model_dir()
     if p.exists() and not p.is_dir():
-        raise click.BadParameter(f"{p} is a file; give the model's directory (the folder holding config.json)",
-                                 param_hint=param)
+        raise click.BadParameter(
+            f"{p} is a file; give the model's directory (the folder holding config.json)", param_hint=param
+        )
     if not p.is_dir():
         raise click.BadParameter(f"{p}: no such directory", param_hint=param)
     if not (p / "config.json").exists():
@@ -34,8 +37,10 @@ def model_dir(model: str | None, param: str = "--model") -> Path:
 
 def topology_model_dir(topo) -> Path:
     if not topo.model.path:
-        raise UserError("the topology's [model] has no path: set `path = \"/models/...\"` in its [model] table "
-                        "(see docs/topology.md)")
+        raise UserError(
+            'the topology\'s [model] has no path: set `path = "/models/..."` in its [model] table '
+            "(see docs/topology.md)"
+        )
     return model_dir(str(topo.resolve(topo.model.path)), "[model] path")
 
 
@@ -62,8 +67,10 @@ def build_prompt(mdir: Path, prompt: str, sampling, raw: bool = False):
 
 def run_async(coro):
     import asyncio
+
     try:
         import uvloop
+
         return uvloop.run(coro)
     except ImportError:  # pragma: no cover
         return asyncio.run(coro)

@@ -1,4 +1,5 @@
 """`p2pk3 dashboard`: a live view of the cluster (the data: p2pk3/frontends/cluster_view.py)."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,14 @@ from .group import main
 from .options import state_option, topology_of_state, topology_option
 from .common import run_async
 
-STATE_STYLE = {"up": "green", "loading": "yellow", "standby": "cyan", "moved": "dim", "dead": "bold red",
-               "unreachable": "red"}
+STATE_STYLE = {
+    "up": "green",
+    "loading": "yellow",
+    "standby": "cyan",
+    "moved": "dim",
+    "dead": "bold red",
+    "unreachable": "red",
+}
 
 
 def _num(v, fmt: str = "{:.1f}") -> str:
@@ -34,25 +41,54 @@ def render(snap: dict):
 
     t, tot = snap["slots"], snap["totals"]
     spares = f" + {tot['standby']} standby" if tot["standby"] else ""
-    title = (f"{snap['cluster']}: {tot['serving']}/{tot['active']} slots serving{spares} · "
-             f"{_num(tot['tokens_per_s'])} tokens/s · "
-             f"{_num(tot['live_sessions'], '{}')} live sessions · entry {snap['entry'] or 'none'}")
+    title = (
+        f"{snap['cluster']}: {tot['serving']}/{tot['active']} slots serving{spares} · "
+        f"{_num(tot['tokens_per_s'])} tokens/s · "
+        f"{_num(tot['live_sessions'], '{}')} live sessions · entry {snap['entry'] or 'none'}"
+    )
     notes = [f"{r['slot']}: {r['reason']}" for r in t if r["state"] not in ("up", "standby")]
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
-                  caption="\n".join(notes) or None, caption_justify="left")
-    for col, right in (("slot", False), ("node", False), ("state", False), ("layers", False), ("sess", True),
-                       ("queue", True), ("batch/s", True), ("tok/s", True), ("ms/batch", True), ("busy", True), ("hop ms", True),
-                       ("memory", True)):
-        table.add_column(col, justify="right" if right else "left", no_wrap=True, overflow="ellipsis",
-                         min_width=min(len(col), 6))
+    table = Table(
+        title=title,
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        caption="\n".join(notes) or None,
+        caption_justify="left",
+    )
+    for col, right in (
+        ("slot", False),
+        ("node", False),
+        ("state", False),
+        ("layers", False),
+        ("sess", True),
+        ("queue", True),
+        ("batch/s", True),
+        ("tok/s", True),
+        ("ms/batch", True),
+        ("busy", True),
+        ("hop ms", True),
+        ("memory", True),
+    ):
+        table.add_column(
+            col, justify="right" if right else "left", no_wrap=True, overflow="ellipsis", min_width=min(len(col), 6)
+        )
     for r in t:
         state = Text(r["state"], style=STATE_STYLE.get(r["state"], ""))
         layers = f"{r['layers'][0]}..{r['layers'][1]}" if r["layers"] else "-"
-        table.add_row(r["slot"] + (" (spare)" if r["standby_slot"] else ""), r["node"] or "-", state, layers,
-                      _num(r["sessions"], "{}"), _num(r["queue"], "{}"), _num(r["batches_per_s"]),
-                      _num(r["tokens_per_s"]), _num(r["compute_ms"], "{:.2f}"),
-                      _num(100 * r["busy"] if r.get("busy") is not None else None, "{:.0f}%"), _num(r["hop_ms"], "{:.2f}"),
-                      _memory(r["memory"]))
+        table.add_row(
+            r["slot"] + (" (spare)" if r["standby_slot"] else ""),
+            r["node"] or "-",
+            state,
+            layers,
+            _num(r["sessions"], "{}"),
+            _num(r["queue"], "{}"),
+            _num(r["batches_per_s"]),
+            _num(r["tokens_per_s"]),
+            _num(r["compute_ms"], "{:.2f}"),
+            _num(100 * r["busy"] if r.get("busy") is not None else None, "{:.0f}%"),
+            _num(r["hop_ms"], "{:.2f}"),
+            _memory(r["memory"]),
+        )
     return table
 
 
@@ -61,12 +97,23 @@ def render(snap: dict):
 @state_option()
 @click.option("--once", is_flag=True, help="print one frame and exit")
 @click.option("--json", "as_json", is_flag=True, help="print one snapshot as a JSON document and exit")
-@click.option("--follow", is_flag=True, help="with --json: one JSON document per line every --interval (JSON lines) "
-                                             "until Ctrl-C")
-@click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
-              help="seconds between polls (rates are deltas between two polls)")
-@click.option("--timeout", type=click.FloatRange(min=0.05), default=1.0, show_default=True,
-              help="a node that does not answer a status probe within this many seconds is unreachable")
+@click.option(
+    "--follow", is_flag=True, help="with --json: one JSON document per line every --interval (JSON lines) until Ctrl-C"
+)
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.1),
+    default=1.0,
+    show_default=True,
+    help="seconds between polls (rates are deltas between two polls)",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0.05),
+    default=1.0,
+    show_default=True,
+    help="a node that does not answer a status probe within this many seconds is unreachable",
+)
 def dashboard(topology_path, state_file, once, as_json, follow, interval, timeout):
     """Live view of the ring: each slot's node, state, layers, sessions, queue, rates, latencies, memory.
     `--once` prints one frame, `--json` one JSON document (`--json --follow`: JSON lines)."""

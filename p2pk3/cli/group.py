@@ -1,5 +1,6 @@
 """The `p2pk3` click group: one-line errors (usage errors name the command's --help; tracebacks only with
 --verbose or P2PK3_DEBUG=1). The commands register themselves on `main` from their modules (p2pk3/cli/)."""
+
 from __future__ import annotations
 
 import os
@@ -46,8 +47,20 @@ class _Main(click.Group):
 def _one_line(e: Exception) -> str:
     from p2pk3.node.claims import ClaimRefused
     from p2pk3.topology import TopologyError
-    if isinstance(e, (TopologyError, ClaimRefused, ValueError, FileNotFoundError, PermissionError, RuntimeError,
-                      TimeoutError, ConnectionError)):
+
+    if isinstance(
+        e,
+        (
+            TopologyError,
+            ClaimRefused,
+            ValueError,
+            FileNotFoundError,
+            PermissionError,
+            RuntimeError,
+            TimeoutError,
+            ConnectionError,
+        ),
+    ):
         msg = str(e)
     else:
         msg = f"{type(e).__name__}: {e}"

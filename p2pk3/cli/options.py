@@ -10,6 +10,7 @@ The sampling and speculation options arrive together as one `sampling` argument,
 whose unset fields (None) take the checkpoint's generation_config defaults when the prompt is built, as
 the API does for a request that leaves them out. The ranges are the API's (p2pk3/params.py).
 """
+
 from __future__ import annotations
 
 import functools
@@ -20,22 +21,38 @@ import click
 from p2pk3.frontends.prompt import SamplingOverrides
 from p2pk3.params import DEFAULT_DRAFT, DEFAULT_MAX_TOKENS, MAX_DRAFT, MAX_SEED, MAX_TEMPERATURE, SPEC_METHODS
 
-__all__ = ["topology_option", "state_option", "topology_of_state", "sampling_options", "speculation_options",
-           "TOPOLOGY_HELP"]
+__all__ = [
+    "topology_option",
+    "state_option",
+    "topology_of_state",
+    "sampling_options",
+    "speculation_options",
+    "TOPOLOGY_HELP",
+]
 
 TOPOLOGY_HELP = "the cluster's topology file (TOML, docs/topology.md)"
 _FROM_MODEL = "the model's generation_config, else "
 
 
 def topology_option(required: bool = True):
-    return click.option("--topology", "topology_path", required=required, type=click.Path(exists=True, dir_okay=False),
-                        help=TOPOLOGY_HELP)
+    return click.option(
+        "--topology",
+        "topology_path",
+        required=required,
+        type=click.Path(exists=True, dir_okay=False),
+        help=TOPOLOGY_HELP,
+    )
 
 
 def state_option():
     """--state FILE: the state file of a running `p2pk3 local --state FILE`, instead of --topology."""
-    return click.option("--state", "state_file", type=click.Path(dir_okay=False), default=None,
-                        help="instead of --topology: the state file of a running `p2pk3 local --state FILE`")
+    return click.option(
+        "--state",
+        "state_file",
+        type=click.Path(dir_okay=False),
+        default=None,
+        help="instead of --topology: the state file of a running `p2pk3 local --state FILE`",
+    )
 
 
 def topology_of_state(state_file: str) -> str:
@@ -45,13 +62,17 @@ def topology_of_state(state_file: str) -> str:
 
     p = Path(state_file)
     if not p.exists():
-        raise click.BadParameter(f"{p} does not exist: no ring writes it (start one with `p2pk3 local --state {p} &` "
-                                 f"and wait until it prints 'ring up')", param_hint="--state")
+        raise click.BadParameter(
+            f"{p} does not exist: no ring writes it (start one with `p2pk3 local --state {p} &` "
+            f"and wait until it prints 'ring up')",
+            param_hint="--state",
+        )
     try:
         topo = json.loads(p.read_text())["topology"]
     except (ValueError, KeyError, TypeError, OSError) as e:
-        raise click.BadParameter(f"{p} is not the state file of `p2pk3 local` ({type(e).__name__}: {e})",
-                                 param_hint="--state") from None
+        raise click.BadParameter(
+            f"{p} is not the state file of `p2pk3 local` ({type(e).__name__}: {e})", param_hint="--state"
+        ) from None
     if not Path(topo).exists():
         raise click.BadParameter(f"{p} names {topo}, which is gone: that ring stopped", param_hint="--state")
     return topo
@@ -73,25 +94,58 @@ def _overrides(f, names: tuple[str, ...], options: list):
 
 def sampling_options(f):
     """--max-tokens, --temperature, --top-k, --top-p, --seed (unset: the checkpoint's generation_config)."""
-    return _overrides(f, ("max_tokens", "temperature", "top_k", "top_p", "seed"), [
-        click.option("--max-tokens", type=click.IntRange(min=0), default=None,
-                     show_default=f"{_FROM_MODEL}{DEFAULT_MAX_TOKENS}", help="most tokens to generate (0: none)"),
-        click.option("--temperature", type=click.FloatRange(0, MAX_TEMPERATURE), default=None,
-                     show_default=f"{_FROM_MODEL}0", help="0 = greedy"),
-        click.option("--top-k", type=click.IntRange(min=0), default=None, show_default=f"{_FROM_MODEL}0",
-                     help="0 = off"),
-        click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=None,
-                     show_default=f"{_FROM_MODEL}1"),
-        click.option("--seed", type=click.IntRange(min=0, max=MAX_SEED), default=None),
-    ])
+    return _overrides(
+        f,
+        ("max_tokens", "temperature", "top_k", "top_p", "seed"),
+        [
+            click.option(
+                "--max-tokens",
+                type=click.IntRange(min=0),
+                default=None,
+                show_default=f"{_FROM_MODEL}{DEFAULT_MAX_TOKENS}",
+                help="most tokens to generate (0: none)",
+            ),
+            click.option(
+                "--temperature",
+                type=click.FloatRange(0, MAX_TEMPERATURE),
+                default=None,
+                show_default=f"{_FROM_MODEL}0",
+                help="0 = greedy",
+            ),
+            click.option(
+                "--top-k", type=click.IntRange(min=0), default=None, show_default=f"{_FROM_MODEL}0", help="0 = off"
+            ),
+            click.option(
+                "--top-p",
+                type=click.FloatRange(min=0, max=1, min_open=True),
+                default=None,
+                show_default=f"{_FROM_MODEL}1",
+            ),
+            click.option("--seed", type=click.IntRange(min=0, max=MAX_SEED), default=None),
+        ],
+    )
 
 
 def speculation_options(f):
     """--speculate, --draft-tokens."""
-    return _overrides(f, ("speculate", "draft_tokens"), [
-        click.option("--speculate", type=click.Choice(SPEC_METHODS), default="off", show_default=True,
-                     help="speculative decoding: draft tokens by prompt lookup (ngram) or a suffix index over recent "
-                          "prompts and outputs (suffix); the ring verifies them, the output is the same"),
-        click.option("--draft-tokens", type=click.IntRange(1, MAX_DRAFT), default=DEFAULT_DRAFT, show_default=True,
-                     help="with --speculate: the most drafted tokens per pass (the entry adapts below it)"),
-    ])
+    return _overrides(
+        f,
+        ("speculate", "draft_tokens"),
+        [
+            click.option(
+                "--speculate",
+                type=click.Choice(SPEC_METHODS),
+                default="off",
+                show_default=True,
+                help="speculative decoding: draft tokens by prompt lookup (ngram) or a suffix index over recent "
+                "prompts and outputs (suffix); the ring verifies them, the output is the same",
+            ),
+            click.option(
+                "--draft-tokens",
+                type=click.IntRange(1, MAX_DRAFT),
+                default=DEFAULT_DRAFT,
+                show_default=True,
+                help="with --speculate: the most drafted tokens per pass (the entry adapts below it)",
+            ),
+        ],
+    )

@@ -1,4 +1,5 @@
 """Commands that run daemons: `node` (one daemon of a ring), `local` (a whole ring on loopback)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -28,13 +29,18 @@ SCHEDULE = _Schedule()
 
 def _schedule_args(micro_batches, prefill_depth) -> list[str]:
     """The two schedule options as `p2pk3 node` arguments (for the daemons `p2pk3 local` starts)."""
-    return [a for flag, v in (("--micro-batches", micro_batches), ("--prefill-depth", prefill_depth))
-            if v is not None for a in (flag, str(v))]
+    return [
+        a
+        for flag, v in (("--micro-batches", micro_batches), ("--prefill-depth", prefill_depth))
+        if v is not None
+        for a in (flag, str(v))
+    ]
 
 
 def _stop_on_signals(stop):
     import asyncio
     import signal
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, stop)
@@ -45,33 +51,91 @@ def _stop_on_signals(stop):
 @click.option("--slot", help="the slot this daemon claims")
 @click.option("--standby", is_flag=True, help="run as a hot spare on a standby slot (takes over a dead slot)")
 @click.option("--host", default=None, help="listen address (default: the slot's host, else 0.0.0.0)")
-@click.option("--port", type=click.IntRange(0, 65535), default=None,
-              help="listen port (default: the slot's port in the topology; 0: any free port)")
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="listen port (default: the slot's port in the topology; 0: any free port)",
+)
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
 @click.option("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-@click.option("--max-sessions", type=click.IntRange(min=1), default=None,
-              help="sessions held at once  [default: the topology's [memory] sessions, else 32]")
-@click.option("--cache-tokens", type=click.IntRange(min=64), default=None,
-              help="MLA cache tokens over all sessions  [default: [memory] sessions x context, else 32768]")
+@click.option(
+    "--max-sessions",
+    type=click.IntRange(min=1),
+    default=None,
+    help="sessions held at once  [default: the topology's [memory] sessions, else 32]",
+)
+@click.option(
+    "--cache-tokens",
+    type=click.IntRange(min=64),
+    default=None,
+    help="MLA cache tokens over all sessions  [default: [memory] sessions x context, else 32768]",
+)
 @click.option("--discovery/--no-discovery", default=True, show_default=True, help="UDP beacons on the LAN")
 @click.option("--advertise-host", default=None, help="address peers should dial (default: --host)")
-@click.option("--heartbeat", type=click.FloatRange(min=0.05), default=0.5, show_default=True,
-              help="failure detector ping period, seconds")
-@click.option("--dead-after", type=click.FloatRange(min=0.2), default=2.5, show_default=True,
-              help="a peer that has not answered for this many seconds is dead (at least 2 heartbeats)")
+@click.option(
+    "--heartbeat",
+    type=click.FloatRange(min=0.05),
+    default=0.5,
+    show_default=True,
+    help="failure detector ping period, seconds",
+)
+@click.option(
+    "--dead-after",
+    type=click.FloatRange(min=0.2),
+    default=2.5,
+    show_default=True,
+    help="a peer that has not answered for this many seconds is dead (at least 2 heartbeats)",
+)
 @click.option("--drop-beacons", is_flag=True, hidden=True, help="fault injection: received beacons are lost")
-@click.option("--micro-batches", type=SCHEDULE, default="auto", show_default=True,
-              help="decode micro-batches the entry keeps in flight (auto: one per active slot; 1: one batch)")
-@click.option("--prefill-depth", type=SCHEDULE, default="auto", show_default=True,
-              help="chunks of one prompt in flight at once (auto: one per active slot; 1: one at a time)")
-@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
-              help="serve Prometheus metrics on http://HOST:PORT/metrics (off by default)")
-@click.option("--compile/--no-compile", "compile_decode", default=None,
-              help="compiled decode step (CUDA graphs on a GPU); default: on for CUDA, off on the CPU")
+@click.option(
+    "--micro-batches",
+    type=SCHEDULE,
+    default="auto",
+    show_default=True,
+    help="decode micro-batches the entry keeps in flight (auto: one per active slot; 1: one batch)",
+)
+@click.option(
+    "--prefill-depth",
+    type=SCHEDULE,
+    default="auto",
+    show_default=True,
+    help="chunks of one prompt in flight at once (auto: one per active slot; 1: one at a time)",
+)
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="serve Prometheus metrics on http://HOST:PORT/metrics (off by default)",
+)
+@click.option(
+    "--compile/--no-compile",
+    "compile_decode",
+    default=None,
+    help="compiled decode step (CUDA graphs on a GPU); default: on for CUDA, off on the CPU",
+)
 @click.option("-v", "--verbose", count=True)
-def node(topology_path, slot, standby, host, port, dtype, device, max_sessions, cache_tokens, discovery,
-         advertise_host, heartbeat, dead_after, drop_beacons, verbose, metrics_port, compile_decode, micro_batches,
-         prefill_depth):
+def node(
+    topology_path,
+    slot,
+    standby,
+    host,
+    port,
+    dtype,
+    device,
+    max_sessions,
+    cache_tokens,
+    discovery,
+    advertise_host,
+    heartbeat,
+    dead_after,
+    drop_beacons,
+    verbose,
+    metrics_port,
+    compile_decode,
+    micro_batches,
+    prefill_depth,
+):
     """Run one node daemon of the ring."""
     import asyncio
     import logging
@@ -86,10 +150,14 @@ def node(topology_path, slot, standby, host, port, dtype, device, max_sessions, 
     from .run import _check_device
 
     if dead_after < 2 * heartbeat:
-        raise click.BadParameter(f"{dead_after:g} s is less than two heartbeats ({heartbeat:g} s each): every peer would "
-                                 f"look dead between two pings; give at least {2 * heartbeat:g}", param_hint="--dead-after")
-    logging.basicConfig(level=logging.DEBUG if verbose > 1 else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        raise click.BadParameter(
+            f"{dead_after:g} s is less than two heartbeats ({heartbeat:g} s each): every peer would "
+            f"look dead between two pings; give at least {2 * heartbeat:g}",
+            param_hint="--dead-after",
+        )
+    logging.basicConfig(
+        level=logging.DEBUG if verbose > 1 else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     topo = Topology.load(topology_path)
     if standby and not slot:
         if not topo.standby:
@@ -99,18 +167,30 @@ def node(topology_path, slot, standby, host, port, dtype, device, max_sessions, 
         raise click.UsageError("give --slot ID, or --standby to run as a spare")
     known = [x.id for x in topo.slots]
     if slot not in known:
-        raise click.BadParameter(f"unknown slot {slot!r} in {topology_path} (slots: {', '.join(known)})",
-                                 param_hint="--slot")
+        raise click.BadParameter(
+            f"unknown slot {slot!r} in {topology_path} (slots: {', '.join(known)})", param_hint="--slot"
+        )
     if standby and not topo.slot(slot).standby:
         raise click.BadParameter(f"slot {slot} is not a standby slot", param_hint="--slot")
     secret = topo.secret()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     _check_device(device)
-    opts = NodeOptions(host=host or topo.slot(slot).host or "0.0.0.0", port=port, dtype=dtype, device=device,
-                       max_sessions=max_sessions, cache_tokens=cache_tokens, discovery=discovery,
-                       advertise_host=advertise_host, heartbeat_s=heartbeat, dead_after_s=dead_after,
-                       drop_beacons=drop_beacons, compile=compile_decode, micro_batches=micro_batches,
-                       prefill_depth=prefill_depth)
+    opts = NodeOptions(
+        host=host or topo.slot(slot).host or "0.0.0.0",
+        port=port,
+        dtype=dtype,
+        device=device,
+        max_sessions=max_sessions,
+        cache_tokens=cache_tokens,
+        discovery=discovery,
+        advertise_host=advertise_host,
+        heartbeat_s=heartbeat,
+        dead_after_s=dead_after,
+        drop_beacons=drop_beacons,
+        compile=compile_decode,
+        micro_batches=micro_batches,
+        prefill_depth=prefill_depth,
+    )
     d = NodeDaemon(topo, slot, model_dir=topology_model_dir(topo), secret=secret, options=opts)
 
     async def run_daemon():
@@ -121,12 +201,15 @@ def node(topology_path, slot, standby, host, port, dtype, device, max_sessions, 
             raise UserError(f"cannot claim slot {slot}: {e}") from None
         except OSError as e:
             if e.errno == 98:
-                raise UserError(f"slot {slot}: port {d.port} on {d.host} is already in use (another node or program "
-                                f"holds it; see `ss -ltnp | grep {d.port}`)") from None
+                raise UserError(
+                    f"slot {slot}: port {d.port} on {d.host} is already in use (another node or program "
+                    f"holds it; see `ss -ltnp | grep {d.port}`)"
+                ) from None
             raise
         click.echo(f"node {d.node_id}: slot {slot} up on {d.host}:{d.port} ({d.role})", err=True)
         if metrics_port is not None:
             from p2pk3.node.metrics import start_metrics
+
             try:
                 m = start_metrics(d, metrics_port, host=d.host)
             except OSError as e:
@@ -142,29 +225,75 @@ def node(topology_path, slot, standby, host, port, dtype, device, max_sessions, 
 @main.command()
 @click.option("--model", help=MODEL_HELP)
 @click.option("--nodes", type=click.IntRange(min=1), default=4, show_default=True)
-@click.option("--standby", type=click.IntRange(min=0), default=0, show_default=True,
-              help="hot spares that take over a node that dies")
-@click.option("--state", "state_file", type=click.Path(dir_okay=False), default=None,
-              help="write the ring's state (JSON: topology, secret, entry, nodes with pid/slot/role) here, "
-                   "rewritten atomically when a takeover changes it")
+@click.option(
+    "--standby",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="hot spares that take over a node that dies",
+)
+@click.option(
+    "--state",
+    "state_file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="write the ring's state (JSON: topology, secret, entry, nodes with pid/slot/role) here, "
+    "rewritten atomically when a takeover changes it",
+)
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
-@click.option("--prompt", default=None, help="generate once for this prompt, print it with the ring's statistics, and stop")
-@click.option("--chat", "open_chat", is_flag=True,
-              help="open the chat REPL on the ring (without a terminal: one scripted exchange with the ring's "
-                   "statistics), then stop")
+@click.option(
+    "--prompt", default=None, help="generate once for this prompt, print it with the ring's statistics, and stop"
+)
+@click.option(
+    "--chat",
+    "open_chat",
+    is_flag=True,
+    help="open the chat REPL on the ring (without a terminal: one scripted exchange with the ring's "
+    "statistics), then stop",
+)
 @sampling_options
 @speculation_options
-@click.option("--api", "api_addr", default=None, metavar="HOST:PORT",
-              help="also serve the OpenAI-compatible API there (p2pk3 serve beside the ring)")
-@click.option("--api-key-file", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="with --api: the bearer key clients must send")
-@click.option("--micro-batches", type=SCHEDULE, default="auto", show_default=True,
-              help="decode micro-batches the entry keeps in flight (auto: one per node, at most this host's "
-                   "cores; 1: one batch)")
-@click.option("--prefill-depth", type=SCHEDULE, default="auto", show_default=True,
-              help="chunks of one prompt in flight at once (auto: one per node; 1: one at a time)")
-def local(model, nodes, standby, state_file, dtype, prompt, open_chat, api_addr, api_key_file, sampling,
-          micro_batches, prefill_depth):
+@click.option(
+    "--api",
+    "api_addr",
+    default=None,
+    metavar="HOST:PORT",
+    help="also serve the OpenAI-compatible API there (p2pk3 serve beside the ring)",
+)
+@click.option(
+    "--api-key-file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="with --api: the bearer key clients must send",
+)
+@click.option(
+    "--micro-batches",
+    type=SCHEDULE,
+    default="auto",
+    show_default=True,
+    help="decode micro-batches the entry keeps in flight (auto: one per node, at most this host's cores; 1: one batch)",
+)
+@click.option(
+    "--prefill-depth",
+    type=SCHEDULE,
+    default="auto",
+    show_default=True,
+    help="chunks of one prompt in flight at once (auto: one per node; 1: one at a time)",
+)
+def local(
+    model,
+    nodes,
+    standby,
+    state_file,
+    dtype,
+    prompt,
+    open_chat,
+    api_addr,
+    api_key_file,
+    sampling,
+    micro_batches,
+    prefill_depth,
+):
     """Start N daemons (and S standbys) on loopback as one ring; Ctrl-C, SIGTERM or SIGHUP stops them.
     A node that goes down, the standby that takes its slot over, and the ring's recovery are said here.
 
@@ -192,8 +321,9 @@ def local(model, nodes, standby, state_file, dtype, prompt, open_chat, api_addr,
     api_host, api_port = _host_port(api_addr, "--api") if api_addr else (None, None)
     L = K3Config.from_pretrained(mdir).num_hidden_layers
     if nodes > L:
-        raise click.BadParameter(f"{nodes} nodes but the model has only {L} layers (one node per layer at most)",
-                                 param_hint="--nodes")
+        raise click.BadParameter(
+            f"{nodes} nodes but the model has only {L} layers (one node per layer at most)", param_hint="--nodes"
+        )
     if api_addr:
         _check_port_free(api_host, api_port, "--api")
     if state_file:
@@ -216,11 +346,14 @@ def local(model, nodes, standby, state_file, dtype, prompt, open_chat, api_addr,
             click.echo(f"ring up: entry {h}:{p}; topology {ring.topology}; logs in {ring.log_dir}")
             if api_addr:
                 from p2pk3.api import start_api_in_background
+
                 try:
                     api = start_api_in_background(ring.topology, api_host, api_port, api_key_file)
                 except (RuntimeError, TimeoutError) as e:
-                    raise UserError(f"--api {api_addr}: the API did not start: {str(e).splitlines()[0]} "
-                                    f"(log {ring.workdir / 'api.log'})") from None
+                    raise UserError(
+                        f"--api {api_addr}: the API did not start: {str(e).splitlines()[0]} "
+                        f"(log {ring.workdir / 'api.log'})"
+                    ) from None
                 click.echo(f"OpenAI-compatible API at {api.url} (log {api.log_path})")
             for s in ring.topo.slots:
                 what = "standby" if s.standby else f"layers {s.layers[0]}..{s.layers[1]}"
@@ -228,8 +361,13 @@ def local(model, nodes, standby, state_file, dtype, prompt, open_chat, api_addr,
             if open_chat and prompt is None and sys.stdin.isatty():
                 from p2pk3.frontends.prompt import PromptBuilder
                 from p2pk3.frontends.repl import banner, run_chat
-                run_chat(ring.client, PromptBuilder.from_pretrained(mdir), sampling,
-                         banner=banner(f"{mdir.name} on the ring"))
+
+                run_chat(
+                    ring.client,
+                    PromptBuilder.from_pretrained(mdir),
+                    sampling,
+                    banner=banner(f"{mdir.name} on the ring"),
+                )
                 return
             if open_chat and prompt is None:  # no terminal: one scripted exchange
                 prompt = SCRIPTED_QUESTION
@@ -273,8 +411,14 @@ def _check_port_free(host: str, port: int, param: str) -> None:
         with socket.create_server((host, port)):
             pass
     except OSError as e:
-        why = (f"port {port} on {host} is already in use (another `p2pk3 local --api` or `serve`? "
-               f"see `ss -ltnp | grep {port}`)") if e.errno == errno.EADDRINUSE else f"cannot listen on {host}:{port}: {e.strerror or e}"
+        why = (
+            (
+                f"port {port} on {host} is already in use (another `p2pk3 local --api` or `serve`? "
+                f"see `ss -ltnp | grep {port}`)"
+            )
+            if e.errno == errno.EADDRINUSE
+            else f"cannot listen on {host}:{port}: {e.strerror or e}"
+        )
         raise click.BadParameter(why, param_hint=param) from None
 
 
@@ -307,6 +451,7 @@ def _generate_and_print(ring, mdir, prompt, sampling):
 
     async def go():
         import asyncio
+
         c = await ring.client()
         try:
             reply = await c.generate(ids, params, on_token=on_token)
@@ -323,9 +468,12 @@ def _generate_and_print(ring, mdir, prompt, sampling):
     click.echo(dec.flush())
     st = r.stats
     tps = st.get("decode_tokens_per_s")
-    click.echo(f"[ring of {len(stages)} nodes: {st.get('prompt_tokens', len(ids))} prompt + {len(r.tokens)} generated "
-               f"tokens; time to first token {1000 * (st.get('ttft_s') or 0):.0f} ms; "
-               f"decode {tps or 0:.1f} tok/s; total {st.get('total_s', 0):.2f} s]")
+    click.echo(
+        f"[ring of {len(stages)} nodes: {st.get('prompt_tokens', len(ids))} prompt + {len(r.tokens)} generated "
+        f"tokens; time to first token {1000 * (st.get('ttft_s') or 0):.0f} ms; "
+        f"decode {tps or 0:.1f} tok/s; total {st.get('total_s', 0):.2f} s]"
+    )
     for s in stages:
-        click.echo(f"  stage {s['slot']}: {s['batches']} batches, {s['tokens']} tokens, "
-                   f"{1000 * s['busy_s']:.0f} ms compute")
+        click.echo(
+            f"  stage {s['slot']}: {s['batches']} batches, {s['tokens']} tokens, {1000 * s['busy_s']:.0f} ms compute"
+        )

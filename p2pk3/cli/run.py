@@ -1,4 +1,5 @@
 """Commands that run the model once: `score`, `generate`, `bench reference`."""
+
 from __future__ import annotations
 
 import click
@@ -23,6 +24,7 @@ def _parse_formats(ctx, param, value):
     if not value:
         return None
     from p2pk3.quant.formats import FormatError, parse_formats
+
     try:
         return parse_formats(value)
     except FormatError as e:
@@ -30,15 +32,22 @@ def _parse_formats(ctx, param, value):
 
 
 def formats_option(f):
-    return click.option("--formats", callback=_parse_formats, default=None, metavar="CLASS=FMT,...",
-                        help="in-process: re-quantize weight classes at load, e.g. attention=mxfp8,shared_experts=mxfp4 "
-                             "(classes attention, shared_experts, dense, lm_head, latent; formats bf16, mxfp8, mxfp4)")(f)
+    return click.option(
+        "--formats",
+        callback=_parse_formats,
+        default=None,
+        metavar="CLASS=FMT,...",
+        help="in-process: re-quantize weight classes at load, e.g. attention=mxfp8,shared_experts=mxfp4 "
+        "(classes attention, shared_experts, dense, lm_head, latent; formats bf16, mxfp8, mxfp4)",
+    )(f)
 
 
 def _no_ring_formats(nodes, formats):
     if nodes and formats:
-        raise click.BadParameter("--formats is for in-process runs; a ring takes them from its topology "
-                                 "([model] formats)", param_hint="--formats")
+        raise click.BadParameter(
+            "--formats is for in-process runs; a ring takes them from its topology ([model] formats)",
+            param_hint="--formats",
+        )
 
 
 @main.command()
@@ -47,8 +56,16 @@ def _no_ring_formats(nodes, formats):
 @click.option("--incremental", is_flag=True, help="token by token through the decode path instead of one prefill")
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
 @click.option("--dump-logits", type=click.Path(dir_okay=False), help="write float32 logits [T, vocab] (numpy .npy)")
-@click.option("--nodes", type=click.IntRange(min=0), default=0, help="run through a local ring of N daemons instead of in-process")
-@click.option("--stages", type=click.IntRange(min=1), default=1, show_default=True, help="in-process: split into N layer-range stages")
+@click.option(
+    "--nodes", type=click.IntRange(min=0), default=0, help="run through a local ring of N daemons instead of in-process"
+)
+@click.option(
+    "--stages",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="in-process: split into N layer-range stages",
+)
 @click.option("--device", default="cpu", show_default=True)
 @formats_option
 def score(model, tokens, incremental, dtype, dump_logits, nodes, stages, device, formats):
@@ -64,19 +81,31 @@ def score(model, tokens, incremental, dtype, dump_logits, nodes, stages, device,
     cfg = K3Config.from_pretrained(mdir)
     bad = [t for t in toks if not 0 <= t < cfg.vocab_size]
     if bad:
-        raise click.BadParameter(f"token ids {bad[:5]} outside the vocabulary 0..{cfg.vocab_size - 1}", param_hint="--tokens")
+        raise click.BadParameter(
+            f"token ids {bad[:5]} outside the vocabulary 0..{cfg.vocab_size - 1}", param_hint="--tokens"
+        )
     n = nodes or stages
     if n > cfg.num_hidden_layers:
-        raise click.BadParameter(f"{n} stages but the model has only {cfg.num_hidden_layers} layers",
-                                 param_hint="--nodes" if nodes else "--stages")
+        raise click.BadParameter(
+            f"{n} stages but the model has only {cfg.num_hidden_layers} layers",
+            param_hint="--nodes" if nodes else "--stages",
+        )
     _check_device(device)
     _no_ring_formats(nodes, formats)
     if nodes:
         from p2pk3.node.local import score_on_ring
+
         logits = score_on_ring(mdir, toks, nodes=nodes, incremental=incremental, dtype=dtype)
     else:
-        pipe = Pipeline.load(mdir, n_stages=stages, dtype=dtype, device=device, max_sessions=1,
-                             max_tokens=len(toks) + 64, formats=formats)
+        pipe = Pipeline.load(
+            mdir,
+            n_stages=stages,
+            dtype=dtype,
+            device=device,
+            max_sessions=1,
+            max_tokens=len(toks) + 64,
+            formats=formats,
+        )
         logits = pipe.score(toks, incremental=incremental)
     loss, ppl = nll(logits, toks)
     click.echo(f"tokens: {len(toks)}  mode: {'incremental' if incremental else 'prefill'}  dtype: {dtype}")
@@ -88,10 +117,13 @@ def score(model, tokens, incremental, dtype, dump_logits, nodes, stages, device,
 
 def _check_device(device: str) -> None:
     import torch
+
     try:
         dev = torch.device(device)
     except RuntimeError:
-        raise click.BadParameter(f"{device!r} is not a torch device (cpu, cuda, cuda:1, ...)", param_hint="--device") from None
+        raise click.BadParameter(
+            f"{device!r} is not a torch device (cpu, cuda, cuda:1, ...)", param_hint="--device"
+        ) from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise click.BadParameter("CUDA is not available on this machine (use --device cpu)", param_hint="--device")
 
@@ -99,7 +131,9 @@ def _check_device(device: str) -> None:
 @main.command()
 @click.option("--model", help=MODEL_HELP)
 @click.option("--prompt", required=True)
-@click.option("--nodes", type=click.IntRange(min=0), default=0, help="through a fresh local ring of N daemons (0: in-process)")
+@click.option(
+    "--nodes", type=click.IntRange(min=0), default=0, help="through a fresh local ring of N daemons (0: in-process)"
+)
 @sampling_options
 @click.option("--raw", is_flag=True, help="no chat template: continue the prompt text (after the model's BOS token)")
 @speculation_options
@@ -116,9 +150,11 @@ def generate(model, prompt, nodes, raw, as_json, formats, sampling):
     t0 = time.perf_counter()
     if nodes:
         from p2pk3.model.config import K3Config
+
         if nodes > K3Config.from_pretrained(mdir).num_hidden_layers:
             raise click.BadParameter("more nodes than the model has layers", param_hint="--nodes")
         from p2pk3.node.local import LocalRing
+
         with LocalRing(mdir, nodes) as ring:
             reply = run_async(_ring_generate(ring, ids, params))
         out, stats = reply.tokens, dict(reply.stats)
@@ -126,16 +162,30 @@ def generate(model, prompt, nodes, raw, as_json, formats, sampling):
             stats["entry_stage"] = reply.stage_stats["spec"]
     else:
         from p2pk3.engine.reference import Pipeline
+
         pipe = Pipeline.load(mdir, 1, max_sessions=1, max_tokens=len(ids) + params.max_tokens + 64, formats=formats)
         out = pipe.generate([ids], params, draft_policy="adaptive")[0] if params.max_tokens else []
-        stats = {"prompt_tokens": len(ids), "generated_tokens": len(out),
-                 **(pipe.last_stats[0] if params.speculating and params.max_tokens else {})}
+        stats = {
+            "prompt_tokens": len(ids),
+            "generated_tokens": len(out),
+            **(pipe.last_stats[0] if params.speculating and params.max_tokens else {}),
+        }
     text = prompts.answer_text(out)
     if as_json:
         import json
+
         stats["wall_s"] = round(time.perf_counter() - t0, 4)
-        click.echo(json.dumps({"tokens": [int(t) for t in out], "text": text, "speculate": params.speculate,
-                               "draft_tokens": params.draft_tokens, "stats": stats}))
+        click.echo(
+            json.dumps(
+                {
+                    "tokens": [int(t) for t in out],
+                    "text": text,
+                    "speculate": params.speculate,
+                    "draft_tokens": params.draft_tokens,
+                    "stats": stats,
+                }
+            )
+        )
     else:
         click.echo(text)
 
@@ -155,13 +205,21 @@ def bench() -> None:
 
 @bench.command("reference")
 @click.option("--model", help="model directory (default: a random tiny-k3 generated in a temp dir)")
-@click.option("--batch", "batches", multiple=True, type=click.IntRange(min=1), default=(1, 8), show_default=True,
-              help="batch sizes; batch 1 is always measured as the baseline")
+@click.option(
+    "--batch",
+    "batches",
+    multiple=True,
+    type=click.IntRange(min=1),
+    default=(1, 8),
+    show_default=True,
+    help="batch sizes; batch 1 is always measured as the baseline",
+)
 @click.option("--steps", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--prompt-len", type=click.IntRange(min=1), default=32, show_default=True)
 def bench_reference(model, batches, steps, prompt_len):
     """Reference decode tokens/s on this machine."""
     from p2pk3.engine.bench import bench_reference_decode
+
     if model is not None:
         model = str(model_dir(model))
     batches = sorted(set(batches) | {1})

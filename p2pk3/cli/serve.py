@@ -1,4 +1,5 @@
 """`p2pk3 serve`: the OpenAI-compatible HTTP API in front of a ring (p2pk3/api)."""
+
 from __future__ import annotations
 
 import click
@@ -12,8 +13,12 @@ from .common import UserError, run_async, topology_model_dir
 @topology_option()
 @click.option("--host", default="127.0.0.1", show_default=True, help="listen address")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
-@click.option("--api-key-file", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="file holding the bearer API key clients must send (default: no auth)")
+@click.option(
+    "--api-key-file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="file holding the bearer API key clients must send (default: no auth)",
+)
 @click.option("--model-name", default=None, help="the model id clients use (default: the model folder's name)")
 def serve(topology_path, host, port, api_key_file, model_name):
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /metrics) for a ring."""

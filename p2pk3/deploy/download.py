@@ -14,6 +14,7 @@ template files, then ONLY the shards holding tensors of the slots (files.needed_
 Environment: HF_ENDPOINT (a mirror or a stand-in), HF_TOKEN, HF_HUB_OFFLINE=1 (no hub: use and verify
 what is there, fetch from peers if asked, and say exactly which files are missing).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -73,8 +74,13 @@ class Hub:
         self.files: dict[str, RemoteFile] = {}
 
     def _explain(self, e: Exception, what: str) -> DownloadError:
-        from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, RepositoryNotFoundError,
-                                            RevisionNotFoundError)
+        from huggingface_hub.errors import (
+            GatedRepoError,
+            HfHubHTTPError,
+            RepositoryNotFoundError,
+            RevisionNotFoundError,
+        )
+
         where = f"{self.repo}@{self.revision} on {self.endpoint}"
         if isinstance(e, GatedRepoError):
             return DownloadError(f"{what}: {where} is gated: accept its terms on the hub and set HF_TOKEN")
@@ -86,27 +92,38 @@ class Hub:
         if isinstance(e, HfHubHTTPError):
             code = getattr(getattr(e, "response", None), "status_code", None)
             if code in (401, 403):
-                return DownloadError(f"{what}: {where} refused access (HTTP {code}): "
-                                     f"{'HF_TOKEN is not accepted' if self.token else 'set HF_TOKEN'}")
+                return DownloadError(
+                    f"{what}: {where} refused access (HTTP {code}): "
+                    f"{'HF_TOKEN is not accepted' if self.token else 'set HF_TOKEN'}"
+                )
             return DownloadError(f"{what}: {where}: HTTP {code}: {str(e).splitlines()[0]}")
-        return DownloadError(f"{what}: cannot reach {self.endpoint} ({type(e).__name__}: {e}); "
-                             f"check the network / HF_ENDPOINT, or set HF_HUB_OFFLINE=1 to use the files here")
+        return DownloadError(
+            f"{what}: cannot reach {self.endpoint} ({type(e).__name__}: {e}); "
+            f"check the network / HF_ENDPOINT, or set HF_HUB_OFFLINE=1 to use the files here"
+        )
 
     def load_info(self) -> None:
         from huggingface_hub import HfApi
+
         try:
             info = HfApi(endpoint=self.endpoint, token=self.token).model_info(
-                self.repo, revision=self.revision, files_metadata=True)
+                self.repo, revision=self.revision, files_metadata=True
+            )
         except Exception as e:
             raise self._explain(e, "file list") from None
         self.commit = info.sha or self.revision
         for s in info.siblings or []:
             lfs = s.lfs
-            self.files[s.rfilename] = RemoteFile(s.rfilename, s.size if s.size is not None else (lfs.size if lfs else None),
-                                                 sha256=(lfs.sha256.lower() if lfs and lfs.sha256 else None),
-                                                 git_sha1=s.blob_id)
+            self.files[s.rfilename] = RemoteFile(
+                s.rfilename,
+                s.size if s.size is not None else (lfs.size if lfs else None),
+                sha256=(lfs.sha256.lower() if lfs and lfs.sha256 else None),
+                git_sha1=s.blob_id,
+            )
 
-    def fetch(self, rf: RemoteFile, part: Path, bar: Callable[[int], None] | None, total: Callable[[int], None] | None) -> None:
+    def fetch(
+        self, rf: RemoteFile, part: Path, bar: Callable[[int], None] | None, total: Callable[[int], None] | None
+    ) -> None:
         """Download `rf` into `part`, resuming from its current length."""
         from huggingface_hub import get_hf_file_metadata, hf_hub_url
         from huggingface_hub.file_download import http_get
@@ -131,13 +148,22 @@ class Hub:
             total(have)
         with open(part, "ab") as f:
             try:
-                http_get(location, f, resume_size=have, headers=headers, expected_size=size, displayed_filename=rf.name,
-                         tqdm_class=_bar_class(bar, total))
+                http_get(
+                    location,
+                    f,
+                    resume_size=have,
+                    headers=headers,
+                    expected_size=size,
+                    displayed_filename=rf.name,
+                    tqdm_class=_bar_class(bar, total),
+                )
             except Exception as e:
                 f.flush()
-                raise DownloadError(f"{rf.name}: download interrupted after {part.stat().st_size} of {size} bytes "
-                                    f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); run the same "
-                                    f"command again to resume") from None
+                raise DownloadError(
+                    f"{rf.name}: download interrupted after {part.stat().st_size} of {size} bytes "
+                    f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); run the same "
+                    f"command again to resume"
+                ) from None
 
 
 def _bar_class(bar, total):
@@ -181,10 +207,24 @@ class Progress:
     def __enter__(self):
         if not self.quiet:
             from rich.console import Console
-            from rich.progress import (BarColumn, DownloadColumn, Progress as RP, TextColumn, TimeRemainingColumn,
-                                       TransferSpeedColumn)
-            self._p = RP(TextColumn("{task.description}", justify="left"), BarColumn(), DownloadColumn(),
-                         TransferSpeedColumn(), TimeRemainingColumn(), console=Console(stderr=True), transient=False)
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress as RP,
+                TextColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
+
+            self._p = RP(
+                TextColumn("{task.description}", justify="left"),
+                BarColumn(),
+                DownloadColumn(),
+                TransferSpeedColumn(),
+                TimeRemainingColumn(),
+                console=Console(stderr=True),
+                transient=False,
+            )
             self._p.__enter__()
         return self
 
@@ -213,9 +253,19 @@ class Progress:
 
 # ------------------------------------------------------------------------------------------ the run
 class Downloader:
-    def __init__(self, local_dir: str | Path, *, repo: str | None, revision: str | None = None,
-                 peers: Iterable[tuple[str, int]] = (), secret: bytes | None = None, peer_rate_mbps: float | None = None,
-                 offline: bool | None = None, quiet: bool = False, echo: Callable[[str], None] = print):
+    def __init__(
+        self,
+        local_dir: str | Path,
+        *,
+        repo: str | None,
+        revision: str | None = None,
+        peers: Iterable[tuple[str, int]] = (),
+        secret: bytes | None = None,
+        peer_rate_mbps: float | None = None,
+        offline: bool | None = None,
+        quiet: bool = False,
+        echo: Callable[[str], None] = print,
+    ):
         self.dir = Path(local_dir)
         self.offline = offline_mode() if offline is None else offline
         self.hub = Hub(repo, revision) if repo else None
@@ -253,6 +303,7 @@ class Downloader:
         # a small file the hub knows by git blob id alone is hashed again (cheap), as the manifest has no blob id
         if e is not None and (e.sha256 == sha or (sha is None and gsha is None)):
             from .manifest import check_files
+
             try:
                 check_files(self.dir, [name], manifest=self.manifest, save=False)
                 return True
@@ -277,17 +328,20 @@ class Downloader:
         have = part.stat().st_size
         if size is not None and have != size:
             part.unlink()
-            raise DownloadError(f"{name}: received {have} bytes from {source}, {whose} says {size}; "
-                                f"removed, run again")
+            raise DownloadError(f"{name}: received {have} bytes from {source}, {whose} says {size}; removed, run again")
         got = sha256_file(part)
         if sha is not None and got != sha:
             part.unlink()
-            raise DownloadError(f"{name}: corrupt download from {source}: SHA-256 {got[:16]}... does not match "
-                                f"{sha[:16]}... of {whose}; the file was removed, run again to fetch it anew")
+            raise DownloadError(
+                f"{name}: corrupt download from {source}: SHA-256 {got[:16]}... does not match "
+                f"{sha[:16]}... of {whose}; the file was removed, run again to fetch it anew"
+            )
         if sha is None and gsha is not None and git_blob_sha1(part) != gsha:
             part.unlink()
-            raise DownloadError(f"{name}: corrupt download from {source}: its git blob id does not match "
-                                f"{gsha[:12]}... of {whose}; the file was removed, run again")
+            raise DownloadError(
+                f"{name}: corrupt download from {source}: its git blob id does not match "
+                f"{gsha[:12]}... of {whose}; the file was removed, run again"
+            )
         dest = self.dir / name
         dest.parent.mkdir(parents=True, exist_ok=True)
         os.replace(part, dest)
@@ -303,8 +357,17 @@ class Downloader:
                 continue
             adv, done = prog.file(name, f["size"], f"peer {addr[0]}:{addr[1]}")
             try:
-                n = asyncio.run(fetch_file(addr, self.secret, name, f["size"], part, rate_mbps=self.peer_rate,
-                                           progress=lambda k, adv=adv: (adv(k), prog.total(k))))
+                n = asyncio.run(
+                    fetch_file(
+                        addr,
+                        self.secret,
+                        name,
+                        f["size"],
+                        part,
+                        rate_mbps=self.peer_rate,
+                        progress=lambda k, adv=adv: (adv(k), prog.total(k)),
+                    )
+                )
             except Exception as e:
                 prog.log(f"{name}: peer {addr[0]}:{addr[1]} failed ({e}); trying the next source")
                 continue
@@ -315,8 +378,10 @@ class Downloader:
             self.out.bytes_fetched += n
             return
         if self.hub is None or self.offline:
-            raise DownloadError(f"{name}: no peer has it and the hub is "
-                                f"{'off (HF_HUB_OFFLINE=1)' if self.offline else 'not configured (no --repo)'}")
+            raise DownloadError(
+                f"{name}: no peer has it and the hub is "
+                f"{'off (HF_HUB_OFFLINE=1)' if self.offline else 'not configured (no --repo)'}"
+            )
         if name not in self.hub.files:
             raise DownloadError(f"{name}: not in {self.hub.repo}@{self.hub.revision} on {self.hub.endpoint}")
         before = part.stat().st_size if part.exists() else 0
@@ -366,30 +431,44 @@ class Downloader:
         if absent:
             said.append(f"{len(absent)} file(s) needed here are missing in {self.dir}{peers}: {', '.join(absent)}")
         if unknown:
-            why = (" has no p2pk3-manifest.json" if not self.manifest.files
-                   else f"'s manifest {self.manifest.path} does not list them")
-            said.append(f"{len(unknown)} file(s) are here but cannot be verified offline ({self.dir}{why}): "
-                        f"{', '.join(unknown)}; for a model you put there yourself, `p2pk3 manifest {self.dir}` "
-                        f"records its files as they are")
+            why = (
+                " has no p2pk3-manifest.json"
+                if not self.manifest.files
+                else f"'s manifest {self.manifest.path} does not list them"
+            )
+            said.append(
+                f"{len(unknown)} file(s) are here but cannot be verified offline ({self.dir}{why}): "
+                f"{', '.join(unknown)}; for a model you put there yourself, `p2pk3 manifest {self.dir}` "
+                f"records its files as they are"
+            )
         if bad:
             said.append(f"{len(bad)} file(s) do not match the manifest: {', '.join(bad)}")
-        return ("offline (HF_HUB_OFFLINE=1): " + "; ".join(said) + "; run without HF_HUB_OFFLINE"
-                + ("" if self.peer_files else ", or with --from-peers"))
+        return (
+            "offline (HF_HUB_OFFLINE=1): "
+            + "; ".join(said)
+            + "; run without HF_HUB_OFFLINE"
+            + ("" if self.peer_files else ", or with --from-peers")
+        )
 
     def _check_target(self) -> None:
         """Refuse a model directory that holds another model than the repo asked for (before any transfer)."""
         m, want = self.manifest, self.hub.repo
         fix = f"give --local-dir DIR for {want} (and set [model] path = DIR in the topology for the nodes)"
         if m.shipped:
-            raise DownloadError(f"{self.dir} is a model shipped with p2pk3 (a topology from `plan` or `topology "
-                                f"init` without --model points at it), not {want}: {fix}")
+            raise DownloadError(
+                f"{self.dir} is a model shipped with p2pk3 (a topology from `plan` or `topology "
+                f"init` without --model points at it), not {want}: {fix}"
+            )
         if m.repo and m.repo != want:
-            raise DownloadError(f"{self.dir} holds {m.repo} (its {MANIFEST_FILE}), not {want}: {fix}, or pass "
-                                f"--repo {m.repo}")
+            raise DownloadError(
+                f"{self.dir} holds {m.repo} (its {MANIFEST_FILE}), not {want}: {fix}, or pass --repo {m.repo}"
+            )
         if m.repo is None and any(e.source == "local" for e in m.files.values()):
-            raise DownloadError(f"{self.dir} holds a local model recorded by `p2pk3 manifest` with no repo, not a "
-                                f"download of {want}: {fix}; if it is a copy of {want}, `p2pk3 manifest {self.dir} "
-                                f"--repo {want}` says so")
+            raise DownloadError(
+                f"{self.dir} holds a local model recorded by `p2pk3 manifest` with no repo, not a "
+                f"download of {want}: {fix}; if it is a copy of {want}, `p2pk3 manifest {self.dir} "
+                f"--repo {want}` says so"
+            )
 
     def _check_config(self) -> None:
         """A config.json here that the manifest does not vouch for must be the hub's (else: another model)."""
@@ -397,9 +476,11 @@ class Downloader:
         if "config.json" in self.manifest.files or not p.is_file() or rf is None or rf.git_sha1 is None:
             return
         if git_blob_sha1(p) != rf.git_sha1:
-            raise DownloadError(f"{p} is not the config.json of {self.hub.repo}@{self.hub.revision}: {self.dir} "
-                                f"holds another model; give --local-dir DIR for {self.hub.repo}, or remove the "
-                                f"directory's files to fetch {self.hub.repo} there")
+            raise DownloadError(
+                f"{p} is not the config.json of {self.hub.repo}@{self.hub.revision}: {self.dir} "
+                f"holds another model; give --local-dir DIR for {self.hub.repo}, or remove the "
+                f"directory's files to fetch {self.hub.repo} there"
+            )
 
     def run(self, cfg_fn: Callable[[Path], K3Config], plans_fn: Callable[[K3Config], list]) -> Outcome:
         """cfg_fn(local_dir) -> the model config (after config.json is here); plans_fn(cfg) -> slot plans."""
@@ -412,10 +493,15 @@ class Downloader:
             self.hub.load_info()
             self._check_config()
             if self.manifest.commit and self.manifest.commit != self.hub.commit and self.manifest.repo == self.hub.repo:
-                self.echo(f"note: {self.dir} holds files of commit {self.manifest.commit[:12]}; the hub's "
-                          f"{self.hub.revision} is {self.hub.commit[:12]}: changed files are fetched again")
+                self.echo(
+                    f"note: {self.dir} holds files of commit {self.manifest.commit[:12]}; the hub's "
+                    f"{self.hub.revision} is {self.hub.commit[:12]}: changed files are fetched again"
+                )
             self.manifest.repo, self.manifest.revision, self.manifest.commit = (
-                self.hub.repo, self.hub.revision, self.hub.commit)
+                self.hub.repo,
+                self.hub.revision,
+                self.hub.commit,
+            )
         if self.peer_addrs:
             self.peer_files = asyncio.run(list_peer_files(self.peer_addrs, self.secret, echo=self.echo))
         with Progress(self.quiet) as prog:
@@ -433,8 +519,9 @@ class Downloader:
             cfg = cfg_fn(self.dir)
             plans = plans_fn(cfg)
             if (self.dir / INDEX_FILE).is_file():
-                shards = needed_shards(cfg, read_weight_map(self.dir / INDEX_FILE), plans,
-                                       where=str(self.dir / INDEX_FILE))
+                shards = needed_shards(
+                    cfg, read_weight_map(self.dir / INDEX_FILE), plans, where=str(self.dir / INDEX_FILE)
+                )
             elif SINGLE_FILE in avail:
                 shards = {SINGLE_FILE: {p.slot for p in plans}} if any(p.layers for p in plans) else {}
             else:

@@ -6,6 +6,7 @@
 * `SMALL_FILES` / `is_small_file`: config, generation config, tokenizer and chat-template files: always fetched.
 * `local_slots(topo)`: the slots whose `host` is this machine (loopback, or an address this host can bind).
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -21,9 +22,19 @@ from p2pk3.topology import Topology, slot_tensors
 
 from .manifest import IntegrityError
 
-SMALL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json", "added_tokens.json", "tiktoken.model", "vocab.json", "merges.txt",
-               "chat_template.jinja", "chat_template.json")
+SMALL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tiktoken.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 _SMALL_PATTERNS = ("tokenizer*.json", "*.tiktoken", "tiktoken*.model", "chat_template*")
 
 
@@ -48,8 +59,9 @@ def read_weight_map(index_path: Path) -> dict[str, str]:
     return wm
 
 
-def needed_shards(cfg: K3Config, weight_map: Mapping[str, str], plans: Iterable, *,
-                  where: str = INDEX_FILE) -> dict[str, set[str]]:
+def needed_shards(
+    cfg: K3Config, weight_map: Mapping[str, str], plans: Iterable, *, where: str = INDEX_FILE
+) -> dict[str, set[str]]:
     """shard file -> ids of the slots (of `plans`) that read tensors from it."""
     canon: dict[str, str] = {}
     for stored, fn in weight_map.items():
@@ -61,8 +73,10 @@ def needed_shards(cfg: K3Config, weight_map: Mapping[str, str], plans: Iterable,
         missing = [n for n in names if n not in canon]
         if missing:
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-            raise IntegrityError(f"{where}: tensor {missing[0]!r} that slot {plan.slot} needs is in no shard "
-                                 f"(missing: {missing[:3]}{more}): the checkpoint does not fit the model config")
+            raise IntegrityError(
+                f"{where}: tensor {missing[0]!r} that slot {plan.slot} needs is in no shard "
+                f"(missing: {missing[:3]}{more}): the checkpoint does not fit the model config"
+            )
         for n in names:
             out.setdefault(canon[n], set()).add(plan.slot)
     return out

@@ -4,6 +4,7 @@ verdict; the embedded models' shipped manifests are hashed at every load). A nod
 (`check_slot`), the in-process engine every shard of the checkpoint (`check_checkpoint`). A directory
 without a manifest (a model copied in by hand) is loaded as it is: the loader's own checks still apply,
 and `p2pk3 manifest DIR` records one."""
+
 from __future__ import annotations
 
 import logging
@@ -18,8 +19,9 @@ log = logging.getLogger("p2pk3.deploy")
 
 
 def _no_manifest(model_dir) -> None:
-    log.info("%s has no p2pk3-manifest.json: shards not checked (`p2pk3 manifest %s` records one)",
-             model_dir, model_dir)
+    log.info(
+        "%s has no p2pk3-manifest.json: shards not checked (`p2pk3 manifest %s` records one)", model_dir, model_dir
+    )
 
 
 def check_slot(model_dir: str | Path, cfg, plan) -> CheckReport | None:
@@ -30,8 +32,15 @@ def check_slot(model_dir: str | Path, cfg, plan) -> CheckReport | None:
         return None
     names = slot_files(model_dir, cfg, plan)
     rep = check_files(model_dir, names, manifest=m)
-    log.info("slot %s: %d shard(s) verified against %s in %.3f s (%d hashed, %d unchanged since their last check)",
-             plan.slot, len(names), m.path, rep.seconds, len(rep.hashed), len(rep.cached))
+    log.info(
+        "slot %s: %d shard(s) verified against %s in %.3f s (%d hashed, %d unchanged since their last check)",
+        plan.slot,
+        len(names),
+        m.path,
+        rep.seconds,
+        len(rep.hashed),
+        len(rep.cached),
+    )
     return rep
 
 

@@ -13,6 +13,7 @@ from `record_directory` (`p2pk3 manifest DIR`, source "local"); the embedded mod
 them, ~50 ms) and a mismatch says to restore the file or regenerate the manifest. Writes are atomic (temp file + rename) under a lock file, and
 merge with what another process wrote meanwhile (several nodes of one host share one model directory).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -104,7 +105,9 @@ class Manifest:
                 return None
             raise IntegrityError(f"{p}: no manifest (run `p2pk3 download` to fetch and verify the model)") from None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ManifestError(f"{p}: cannot read the manifest ({e}); remove it and run `p2pk3 download` again") from None
+            raise ManifestError(
+                f"{p}: cannot read the manifest ({e}); remove it and run `p2pk3 download` again"
+            ) from None
         return cls.from_dict(d, raw)
 
     @classmethod
@@ -114,13 +117,19 @@ class Manifest:
             raise ManifestError(f"{p}: not a p2pk3 manifest (version {VERSION} with a 'files' table)")
         files: dict[str, FileEntry] = {}
         for name, e in raw["files"].items():
-            ok = (isinstance(e, dict) and isinstance(e.get("size"), int) and e["size"] >= 0
-                  and isinstance(e.get("sha256"), str) and len(e["sha256"]) == 64)
+            ok = (
+                isinstance(e, dict)
+                and isinstance(e.get("size"), int)
+                and e["size"] >= 0
+                and isinstance(e.get("sha256"), str)
+                and len(e["sha256"]) == 64
+            )
             if not ok or not safe_name(name):
                 raise ManifestError(f"{p}: bad entry for file {name!r} (needs a relative name, size and sha256)")
             v = e.get("verified")
-            files[name] = FileEntry(e["size"], e["sha256"].lower(), str(e.get("source", "local")),
-                                    v if isinstance(v, dict) else None)
+            files[name] = FileEntry(
+                e["size"], e["sha256"].lower(), str(e.get("source", "local")), v if isinstance(v, dict) else None
+            )
         return cls(d, files, raw.get("repo"), raw.get("revision"), raw.get("commit"), raw.get("shipped") is True)
 
     def to_dict(self) -> dict:
@@ -133,14 +142,20 @@ class Manifest:
         """How to get a good copy of `name` back, by where it came from."""
         e = self.files.get(name)
         if self.shipped:
-            where = (f"restore it (`git checkout -- {self.dir}` or reinstall p2pk3)"
-                     if self.dir.resolve().is_relative_to(ASSETS) else
-                     f"copy it again from the embedded model in {ASSETS} that this directory is a copy of")
-            return (f"this file ships with p2pk3: {where}; if it was changed on purpose (a retrained model), "
-                    f"`p2pk3 manifest {self.dir}` records it")
+            where = (
+                f"restore it (`git checkout -- {self.dir}` or reinstall p2pk3)"
+                if self.dir.resolve().is_relative_to(ASSETS)
+                else f"copy it again from the embedded model in {ASSETS} that this directory is a copy of"
+            )
+            return (
+                f"this file ships with p2pk3: {where}; if it was changed on purpose (a retrained model), "
+                f"`p2pk3 manifest {self.dir}` records it"
+            )
         if e is not None and e.source == "local":
-            return (f"restore it; if it was changed on purpose, `p2pk3 manifest {self.dir}` records the directory "
-                    f"as it is now")
+            return (
+                f"restore it; if it was changed on purpose, `p2pk3 manifest {self.dir}` records the directory "
+                f"as it is now"
+            )
         return "run `p2pk3 download` for this slot to fetch it again"
 
     def save(self) -> None:
@@ -197,8 +212,14 @@ class CheckReport:
     seconds: float = 0.0
 
 
-def check_files(model_dir: str | Path, names: Iterable[str], *, manifest: Manifest | None = None,
-                require_manifest: bool = False, save: bool = True) -> CheckReport | None:
+def check_files(
+    model_dir: str | Path,
+    names: Iterable[str],
+    *,
+    manifest: Manifest | None = None,
+    require_manifest: bool = False,
+    save: bool = True,
+) -> CheckReport | None:
     """Check each of `names` against the manifest of `model_dir`: size always; SHA-256 when the file is
     new to the cache (first use) or changed (size or mtime differs from the last verification).
     Raises IntegrityError naming the file and what is wrong. Without a manifest: None (nothing to check)
@@ -213,25 +234,29 @@ def check_files(model_dir: str | Path, names: Iterable[str], *, manifest: Manife
         p = d / name
         e = m.files.get(name)
         if e is None:
-            raise IntegrityError(f"{p}: not in the manifest {m.path} (fetched outside `p2pk3 download`?); run "
-                                 f"`p2pk3 download` for this slot to verify and record it")
+            raise IntegrityError(
+                f"{p}: not in the manifest {m.path} (fetched outside `p2pk3 download`?); run "
+                f"`p2pk3 download` for this slot to verify and record it"
+            )
         try:
             st = p.stat()
         except FileNotFoundError:
-            raise IntegrityError(f"{p}: missing (the manifest {m.path} lists it with {e.size} bytes); "
-                                 f"{m.refetch_hint(name)}") from None
+            raise IntegrityError(
+                f"{p}: missing (the manifest {m.path} lists it with {e.size} bytes); {m.refetch_hint(name)}"
+            ) from None
         if st.st_size != e.size:
             what = "truncated" if st.st_size < e.size else "too long"
-            raise IntegrityError(f"{p}: {what}: {st.st_size} bytes, the manifest says {e.size}; "
-                                 f"{m.refetch_hint(name)}")
+            raise IntegrityError(f"{p}: {what}: {st.st_size} bytes, the manifest says {e.size}; {m.refetch_hint(name)}")
         v = e.verified or {}
         if v.get("size") == st.st_size and v.get("mtime_ns") == st.st_mtime_ns:
             rep.cached.append(name)
             continue
         got = sha256_file(p)
         if got != e.sha256:
-            raise IntegrityError(f"{p}: corrupt: SHA-256 {got[:16]}... does not match the manifest's "
-                                 f"{e.sha256[:16]}...; {m.refetch_hint(name)}")
+            raise IntegrityError(
+                f"{p}: corrupt: SHA-256 {got[:16]}... does not match the manifest's "
+                f"{e.sha256[:16]}...; {m.refetch_hint(name)}"
+            )
         if not m.shipped:
             e.verified = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
         rep.hashed.append(name)

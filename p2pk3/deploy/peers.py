@@ -17,6 +17,7 @@ The receiver (`fetch_file`) writes to a `.part` file and resumes from its length
 SHA-256 against the hub's metadata or the manifest before moving it into place (download.py). A standby
 fetches the shards it lacks before a takeover through download.py too (node/takeover.py).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -30,9 +31,24 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from p2pk3.transport.codec import Frame
-from p2pk3.transport.messages import (FILE_CHUNK, ErrorCode, FileChunk, FileGet, FileIndex, FileInfo, error_frame,
-                                      file_chunk_frame, file_get_frame, file_index_frame, file_list_frame, parse_error,
-                                      parse_file_chunk, parse_file_get, parse_file_index, parse_file_list)
+from p2pk3.transport.messages import (
+    FILE_CHUNK,
+    ErrorCode,
+    FileChunk,
+    FileGet,
+    FileIndex,
+    FileInfo,
+    error_frame,
+    file_chunk_frame,
+    file_get_frame,
+    file_index_frame,
+    file_list_frame,
+    parse_error,
+    parse_file_chunk,
+    parse_file_get,
+    parse_file_index,
+    parse_file_list,
+)
 
 from .manifest import Manifest, ManifestError, safe_name
 
@@ -96,16 +112,20 @@ class FileServer:
     def resolve(self, name) -> tuple[Path, int]:
         """(path, size) of a servable file; PeerError saying why not."""
         if not safe_name(name):
-            raise PeerError(f"file_get refused: {name!r} is not a plain relative file name of the model directory "
-                            f"(no '..', no absolute path)")
+            raise PeerError(
+                f"file_get refused: {name!r} is not a plain relative file name of the model directory "
+                f"(no '..', no absolute path)"
+            )
         try:
             m = self.manifest()
         except ManifestError as e:
             raise PeerError(f"file_get refused: this node's manifest is unusable ({e})") from None
         if m is None or name not in m.files:
             where = m.path if m is not None else self.dir / "p2pk3-manifest.json (none here)"
-            raise PeerError(f"file_get refused: {name!r} is not in this node's manifest {where}; only verified "
-                            f"checkpoint files are served")
+            raise PeerError(
+                f"file_get refused: {name!r} is not in this node's manifest {where}; only verified "
+                f"checkpoint files are served"
+            )
         root = self.dir.resolve()
         p = (self.dir / name).resolve()
         if not p.is_relative_to(root):
@@ -115,8 +135,10 @@ class FileServer:
         except FileNotFoundError:
             raise PeerError(f"file_get refused: {name!r} is in the manifest but not on this node's disk") from None
         if size != m.files[name].size:
-            raise PeerError(f"file_get refused: {name!r} has {size} bytes here, the manifest says "
-                            f"{m.files[name].size} (changed since it was verified)")
+            raise PeerError(
+                f"file_get refused: {name!r} has {size} bytes here, the manifest says "
+                f"{m.files[name].size} (changed since it was verified)"
+            )
         return p, size
 
     def listing(self, request_id: int | str | None = None) -> FileIndex:
@@ -205,8 +227,9 @@ async def _ask(conn, make: Callable[[str], Frame]) -> Frame:
         return r
 
 
-async def list_peer_files(addrs: Iterable[tuple[str, int]], secret: bytes, *, echo: Callable[[str], None] = print,
-                          timeout: float = 3.0) -> dict[tuple[str, int], dict[str, dict]]:
+async def list_peer_files(
+    addrs: Iterable[tuple[str, int]], secret: bytes, *, echo: Callable[[str], None] = print, timeout: float = 3.0
+) -> dict[tuple[str, int], dict[str, dict]]:
     """addr -> {name: {size, sha256}} of every peer that answers (the others are reported and skipped)."""
     from p2pk3.transport.connection import open_connection
 
@@ -229,8 +252,16 @@ async def list_peer_files(addrs: Iterable[tuple[str, int]], secret: bytes, *, ec
     return {a: f for a, f in got if f}
 
 
-async def fetch_file(addr: tuple[str, int], secret: bytes, name: str, size: int, part: Path, *,
-                     rate_mbps: float | None = None, progress: Callable[[int], None] | None = None) -> int:
+async def fetch_file(
+    addr: tuple[str, int],
+    secret: bytes,
+    name: str,
+    size: int,
+    part: Path,
+    *,
+    rate_mbps: float | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> int:
     """Fetch `name` from the peer at `addr` into `part`, resuming from its length. Returns bytes received."""
     from p2pk3.transport.connection import open_connection
 
@@ -252,8 +283,10 @@ async def fetch_file(addr: tuple[str, int], secret: bytes, name: str, size: int,
                     raise PeerError(f"{name}: unexpected answer {r.kind!r} to file_get at offset {have}")
                 c = parse_file_chunk(r)
                 if c.path != name or c.offset != have or c.size != size:
-                    raise PeerError(f"{name}: unexpected answer {c.path!r} at offset {c.offset} (size {c.size}, "
-                                    f"expected offset {have} of {size})")
+                    raise PeerError(
+                        f"{name}: unexpected answer {c.path!r} at offset {c.offset} (size {c.size}, "
+                        f"expected offset {have} of {size})"
+                    )
                 data = c.data
                 if not len(data):
                     raise PeerError(f"{name}: the peer sent an empty chunk at offset {have}")

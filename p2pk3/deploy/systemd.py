@@ -6,6 +6,7 @@ RestartMaxDelaySec on systemd >= 254), waits for the network (network-online.tar
 open-files limit, allows pinned memory (LimitMEMLOCK=infinity), gives a stopping node TimeoutStopSec to
 drain its sessions after SIGTERM, and logs to the journal (`journalctl -u p2pk3-node@s0`).
 """
+
 from __future__ import annotations
 
 import re
@@ -60,11 +61,15 @@ def _q(args: list[str]) -> str:
     return " ".join(shlex.quote(a) for a in args)
 
 
-def node_unit(topology: Path, *, user: str | None, env_dir: str, systemd_version: int | None,
-              stop_timeout_s: int = 60) -> str:
+def node_unit(
+    topology: Path, *, user: str | None, env_dir: str, systemd_version: int | None, stop_timeout_s: int = 60
+) -> str:
     cmd = _q(p2pk3_command() + ["node", "--topology", str(topology)]) + " --slot %i $P2PK3_NODE_ARGS"
-    backoff = ("RestartSteps=8\nRestartMaxDelaySec=5min\n" if (systemd_version or BACKOFF_SYSTEMD) >= BACKOFF_SYSTEMD
-               else "# RestartSteps=8 / RestartMaxDelaySec=5min: back-off needs systemd >= 254\n")
+    backoff = (
+        "RestartSteps=8\nRestartMaxDelaySec=5min\n"
+        if (systemd_version or BACKOFF_SYSTEMD) >= BACKOFF_SYSTEMD
+        else "# RestartSteps=8 / RestartMaxDelaySec=5min: back-off needs systemd >= 254\n"
+    )
     return f"""# p2pk3 node daemon; one instance per topology slot: systemctl enable --now p2pk3-node@SLOT
 # Written by `p2pk3 systemd` for {topology}. Settings of the slot: {env_dir}/%i.env
 [Unit]
@@ -75,7 +80,7 @@ StartLimitIntervalSec=0
 
 [Service]
 Type=simple
-{f'User={user}' + chr(10) if user else ''}EnvironmentFile={env_dir}/%i.env
+{f"User={user}" + chr(10) if user else ""}EnvironmentFile={env_dir}/%i.env
 ExecStart={cmd}
 Restart=on-failure
 RestartSec=5s
@@ -105,7 +110,7 @@ StartLimitIntervalSec=0
 
 [Service]
 Type=simple
-{f'User={user}' + chr(10) if user else ''}EnvironmentFile=-{env_dir}/api.env
+{f"User={user}" + chr(10) if user else ""}EnvironmentFile=-{env_dir}/api.env
 ExecStart={cmd}
 Restart=on-failure
 RestartSec=5s
@@ -125,19 +130,33 @@ def slot_env(topo: Topology, slot, gpu_index: int | None) -> str:
         what = "standby (hot spare)"
     else:
         what = f"layers {slot.layers[0]}-{slot.layers[1]}" if slot.layers else "no layers"
-    lines = [f"# slot {slot.id} of cluster {topo.cluster.name}: {what}; host {slot.host or '(discovered)'}",
-             "# extra `p2pk3 node` flags, e.g. --dtype bfloat16 --max-sessions 16 --advertise-host 10.0.0.5",
-             "P2PK3_NODE_ARGS=" + ("--standby" if slot.standby else "")]
+    lines = [
+        f"# slot {slot.id} of cluster {topo.cluster.name}: {what}; host {slot.host or '(discovered)'}",
+        "# extra `p2pk3 node` flags, e.g. --dtype bfloat16 --max-sessions 16 --advertise-host 10.0.0.5",
+        "P2PK3_NODE_ARGS=" + ("--standby" if slot.standby else ""),
+    ]
     if gpu_index is not None:
-        lines += ["# the GPU of this slot on its host (slots of one host get 0, 1, ... in topology order)",
-                  f"CUDA_VISIBLE_DEVICES={gpu_index}"]
-    lines += ["# MB/s this node may spend serving checkpoint files to peers (p2pk3 download --from-peers)",
-              "P2PK3_SHARE_MBPS=200"]
+        lines += [
+            "# the GPU of this slot on its host (slots of one host get 0, 1, ... in topology order)",
+            f"CUDA_VISIBLE_DEVICES={gpu_index}",
+        ]
+    lines += [
+        "# MB/s this node may spend serving checkpoint files to peers (p2pk3 download --from-peers)",
+        "P2PK3_SHARE_MBPS=200",
+    ]
     return "\n".join(lines) + "\n"
 
 
-def build(topo: Topology, topology_path: Path, slot_ids: list[str] | None = None, *, user: str | None = None,
-          env_dir: str = "/etc/p2pk3", out: Path = Path("p2pk3-systemd"), systemd_version: int | None = None) -> Units:
+def build(
+    topo: Topology,
+    topology_path: Path,
+    slot_ids: list[str] | None = None,
+    *,
+    user: str | None = None,
+    env_dir: str = "/etc/p2pk3",
+    out: Path = Path("p2pk3-systemd"),
+    systemd_version: int | None = None,
+) -> Units:
     slots = [topo.slot(s) for s in slot_ids] if slot_ids else list(topo.slots)
     gpu_of: dict[str, int] = {}
     per_host: dict[str, int] = {}
@@ -145,17 +164,21 @@ def build(topo: Topology, topology_path: Path, slot_ids: list[str] | None = None
         if s.host:
             gpu_of[s.id] = per_host.get(s.host, 0)
             per_host[s.host] = gpu_of[s.id] + 1
-    files = {NODE_UNIT: node_unit(topology_path, user=user, env_dir=env_dir, systemd_version=systemd_version),
-             API_UNIT: api_unit(topology_path, user=user, env_dir=env_dir),
-             "env/api.env": "# extra `p2pk3 serve` flags, e.g. --host 0.0.0.0 --port 8000 --api-key-file /etc/p2pk3/api.key\n"
-                            "P2PK3_API_ARGS=\n"}
+    files = {
+        NODE_UNIT: node_unit(topology_path, user=user, env_dir=env_dir, systemd_version=systemd_version),
+        API_UNIT: api_unit(topology_path, user=user, env_dir=env_dir),
+        "env/api.env": "# extra `p2pk3 serve` flags, e.g. --host 0.0.0.0 --port 8000 --api-key-file /etc/p2pk3/api.key\n"
+        "P2PK3_API_ARGS=\n",
+    }
     for s in slots:
         files[f"env/{s.id}.env"] = slot_env(topo, s, gpu_of.get(s.id))
     o = shlex.quote(str(out.resolve()))
-    cmds = [f"# on every host: the units, and the topology + secret at {topology_path.parent}",
-            f"sudo install -d -m 0755 {shlex.quote(env_dir)}",
-            f"sudo install -m 0644 {o}/{NODE_UNIT} {o}/{API_UNIT} /etc/systemd/system/",
-            "sudo systemctl daemon-reload"]
+    cmds = [
+        f"# on every host: the units, and the topology + secret at {topology_path.parent}",
+        f"sudo install -d -m 0755 {shlex.quote(env_dir)}",
+        f"sudo install -m 0644 {o}/{NODE_UNIT} {o}/{API_UNIT} /etc/systemd/system/",
+        "sudo systemctl daemon-reload",
+    ]
     by_host: dict[str, list] = {}
     for s in slots:
         by_host.setdefault(s.host or "(discovered host)", []).append(s)
@@ -164,12 +187,14 @@ def build(topo: Topology, topology_path: Path, slot_ids: list[str] | None = None
         envs = " ".join(f"{o}/env/{s.id}.env" for s in ss)
         cmds.append(f"sudo install -m 0640 {envs} {shlex.quote(env_dir)}/")
         cmds.append("sudo systemctl enable --now " + " ".join(f"p2pk3-node@{s.id}.service" for s in ss))
-    cmds += ["# on the host that serves the API (e.g. the entry's):",
-             f"sudo install -m 0640 {o}/env/api.env {shlex.quote(env_dir)}/",
-             f"sudo systemctl enable --now {API_UNIT}",
-             "# logs and state:",
-             "journalctl -u 'p2pk3-node@*' -f",
-             f"systemctl status 'p2pk3-node@*' {API_UNIT}"]
+    cmds += [
+        "# on the host that serves the API (e.g. the entry's):",
+        f"sudo install -m 0640 {o}/env/api.env {shlex.quote(env_dir)}/",
+        f"sudo systemctl enable --now {API_UNIT}",
+        "# logs and state:",
+        "journalctl -u 'p2pk3-node@*' -f",
+        f"systemctl status 'p2pk3-node@*' {API_UNIT}",
+    ]
     return Units(files, cmds)
 
 

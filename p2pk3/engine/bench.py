@@ -1,4 +1,5 @@
 """`p2pk3 bench reference`: decode tokens/s of the in-process reference engine."""
+
 from __future__ import annotations
 
 import os
@@ -18,14 +19,19 @@ def bench_reference_decode(model: str | None, batches: list[int], steps: int, pr
     if model is None:
         from p2pk3.checkpoint.tiny import write_checkpoint
         from p2pk3.model.config import TINY_K3
+
         tmp = tempfile.TemporaryDirectory()
         write_checkpoint(tmp.name, TINY_K3, seed=0)
         model = tmp.name
     pipe = Pipeline.load(model, 1, max_sessions=max(batches), max_tokens=max(batches) * (prompt_len + steps + 8))
     cfg = pipe.cfg
-    print(f"model: {model}  layers {cfg.num_hidden_layers} hidden {cfg.hidden_size} experts {cfg.num_experts} "
-          f"top-{cfg.num_experts_per_token}  vocab {cfg.vocab_size}")
-    print(f"host: {platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, threads {torch.get_num_threads()}")
+    print(
+        f"model: {model}  layers {cfg.num_hidden_layers} hidden {cfg.hidden_size} experts {cfg.num_experts} "
+        f"top-{cfg.num_experts_per_token}  vocab {cfg.vocab_size}"
+    )
+    print(
+        f"host: {platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, threads {torch.get_num_threads()}"
+    )
     rows = []
     g = torch.Generator().manual_seed(0)
     base = None
@@ -48,8 +54,10 @@ def bench_reference_decode(model: str | None, batches: list[int], steps: int, pr
         if b == 1:
             base = tps  # the baseline: batch 1, measured in this run (the CLI always includes it)
         rows.append({"batch": b, "steps": steps, "seconds": dt, "tokens_per_s": tps, "ms_per_step": 1000 * dt / steps})
-        print(f"batch {b:3d}: {tps:9.1f} tok/s  {1000 * dt / steps:8.2f} ms/step  "
-              + (f"(x{tps / base:.2f} of batch-1 tok/s)" if base else "(no batch-1 baseline in this run)"))
+        print(
+            f"batch {b:3d}: {tps:9.1f} tok/s  {1000 * dt / steps:8.2f} ms/step  "
+            + (f"(x{tps / base:.2f} of batch-1 tok/s)" if base else "(no batch-1 baseline in this run)")
+        )
     if tmp:
         tmp.cleanup()
     return rows

@@ -1,6 +1,7 @@
 """In-process engine: a chain of stages on this host (one stage = the whole model, or several layer
 ranges that pass a Hop exactly as the ring does). Used by `p2pk3 score`, the tests, and as the
 single-process oracle the distributed ring must match."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -23,6 +24,7 @@ def configure_cpu_threads(cfg: K3Config, threads: int | None = None) -> int:
     decode step 26 ms on 1 thread vs 2.1 s on 2 threads with the other core busy). Explicit `threads` wins;
     P2PK3_THREADS overrides the automatic choice."""
     import os
+
     if threads is None:
         env = os.environ.get("P2PK3_THREADS")
         threads = int(env) if env else (1 if cfg.hidden_size < 2048 else (os.cpu_count() or 1))
@@ -41,20 +43,34 @@ class Pipeline:
         self.last_stats: list[dict] = []  # per prompt, after a speculative generate
 
     @classmethod
-    def load(cls, model_dir: str | Path, n_stages: int = 1, dtype="float32", device="cpu",
-             plans: list[StagePlan] | None = None, formats=None, compile: bool | None = None,
-             dequant_experts: bool = False, **cache_kw) -> "Pipeline":
+    def load(
+        cls,
+        model_dir: str | Path,
+        n_stages: int = 1,
+        dtype="float32",
+        device="cpu",
+        plans: list[StagePlan] | None = None,
+        formats=None,
+        compile: bool | None = None,
+        dequant_experts: bool = False,
+        **cache_kw,
+    ) -> "Pipeline":
         """`compile`: the stages' compiled decode step (p2pk3.model.compiled; None: on for CUDA, off on the CPU,
         P2PK3_COMPILE=1/0 overrides); `dequant_experts`: MXFP4 experts held dequantized (checkpoint.stage)."""
         from p2pk3.deploy.integrity import check_checkpoint  # the shards against the manifest, as a node does
+
         cfg = K3Config.from_pretrained(model_dir)
         check_checkpoint(model_dir)
         if torch.device(device).type == "cpu":
             configure_cpu_threads(cfg)
         plans = plans or StagePlan.split_even(cfg, n_stages)
-        return cls([load_stage(model_dir, p, dtype, device, cfg, formats, compile=compile,
-                               dequant_experts=dequant_experts) for p in plans],
-                   **cache_kw)
+        return cls(
+            [
+                load_stage(model_dir, p, dtype, device, cfg, formats, compile=compile, dequant_experts=dequant_experts)
+                for p in plans
+            ],
+            **cache_kw,
+        )
 
     def open(self, session: str) -> None:
         opened = []
@@ -91,8 +107,9 @@ class Pipeline:
             t = torch.tensor(tokens, dtype=torch.long)
             if not incremental:
                 return self.forward([Span(session, 0, len(tokens))], t, logits="all")
-            return torch.cat([self.forward([Span(session, i, 1)], t[i:i + 1], logits="all")
-                              for i in range(len(tokens))])
+            return torch.cat(
+                [self.forward([Span(session, i, 1)], t[i : i + 1], logits="all") for i in range(len(tokens))]
+            )
         finally:
             self.close(session)
 
@@ -105,7 +122,7 @@ class Pipeline:
                 if pos[i] < len(p):
                     n = min(prefill_chunk, len(p) - pos[i])
                     spans.append(Span(ids[i], pos[i], n))
-                    toks.extend(p[pos[i]:pos[i] + n])
+                    toks.extend(p[pos[i] : pos[i] + n])
                     pos[i] += n
                     who.append(i)
             lg = self.forward(spans, torch.tensor(toks, dtype=torch.long))
@@ -113,9 +130,15 @@ class Pipeline:
                 last[i] = lg[row]
         return last
 
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams,
-                 prefill_chunk: int = 512, *, proposers: dict | None = None,
-                 draft_policy: str = "fixed") -> list[list[int]]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams] | SamplingParams,
+        prefill_chunk: int = 512,
+        *,
+        proposers: dict | None = None,
+        draft_policy: str = "fixed",
+    ) -> list[list[int]]:
         """Batched generation: prompts prefilled together (in chunks), then one decode step per round for
         every live session. Sessions whose params ask to `speculate` draft up to `draft_tokens` tokens per
         step that the same forward verifies (same tokens as without; `last_stats` has the counts).
@@ -128,8 +151,10 @@ class Pipeline:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling parameter sets")
         ids = [f"gen{i}" for i in range(len(prompts))]
-        params = [p if p.seed is not None or p.temperature == 0 else
-                  SamplingParams(**{**p.__dict__, "seed": fresh_seed()}) for p in params]
+        params = [
+            p if p.seed is not None or p.temperature == 0 else SamplingParams(**{**p.__dict__, "seed": fresh_seed()})
+            for p in params
+        ]
         if any(p.speculating for p in params):
             return self._generate_spec(prompts, params, ids, prefill_chunk, proposers or {}, draft_policy)
         outs: list[list[int]] = [[] for _ in prompts]
@@ -158,7 +183,6 @@ class Pipeline:
             for s in ids:
                 self.close(s)
 
-
     def _generate_spec(self, prompts, params, ids, prefill_chunk, proposers, draft_policy) -> list[list[int]]:
         """`generate` with speculative decoding: each round, every live session's last token plus its drafted
         tokens go through the stages as one span (a verify pass, with a rollback checkpoint on every stage);
@@ -176,8 +200,18 @@ class Pipeline:
         prop = [make[p.speculate]() if p.speculating else None for p in params]
         dlen = [DraftLength() for _ in params]
         cost, vcost = PassCost(), PassCost()  # passes without / with drafts (another compute path)
-        stats = [{"speculate": p.speculate, "proposed": 0, "accepted": 0, "passes": 0, "pass_tokens": 0,
-                  "draft_ns": 0, "drafts": 0} for p in params]
+        stats = [
+            {
+                "speculate": p.speculate,
+                "proposed": 0,
+                "accepted": 0,
+                "passes": 0,
+                "pass_tokens": 0,
+                "draft_ns": 0,
+                "drafts": 0,
+            }
+            for p in params
+        ]
         for i, p in enumerate(params):
             if p.speculate == "suffix":
                 self.suffix_index.add(prompts[i])
@@ -197,8 +231,11 @@ class Pipeline:
 
             for st in stats:
                 st["passes"] += 1  # the prefill's last pass samples the first token
-            live = [i for i in range(len(prompts)) if params[i].max_tokens > 0
-                    and take(i, [sample_at(last[i], params[i], len(prompts[i]))])]
+            live = [
+                i
+                for i in range(len(prompts))
+                if params[i].max_tokens > 0 and take(i, [sample_at(last[i], params[i], len(prompts[i]))])
+            ]
             while live:
                 spans, toks, drafts = [], [], []
                 width, drafting = len(live), False
@@ -211,9 +248,16 @@ class Pipeline:
                     d: list[int] = []
                     kmax = min(params[i].draft_tokens, params[i].max_tokens - len(outs[i]) - 1)
                     if prop[i] is not None and kmax > 0:
-                        k = kmax if draft_policy == "fixed" else \
-                            dlen[i].choose(kmax, lambda k, w=width, v=drafting: (
-                                (vcost.estimate(w + k) or cost.estimate(w + k)) if v or k else cost.estimate(w)))
+                        k = (
+                            kmax
+                            if draft_policy == "fixed"
+                            else dlen[i].choose(
+                                kmax,
+                                lambda k, w=width, v=drafting: (
+                                    (vcost.estimate(w + k) or cost.estimate(w + k)) if v or k else cost.estimate(w)
+                                ),
+                            )
+                        )
                         if k:
                             t0 = time.perf_counter_ns()
                             d = list(prop[i].propose(hist, k))[:k]
@@ -229,7 +273,7 @@ class Pipeline:
                 (vcost if drafting else cost).observe(width, 1000 * (time.perf_counter() - t0))
                 nxt, r = [], 0
                 for i, sp, d in zip(live, spans, drafts):
-                    rows = lg[r:r + sp.length]
+                    rows = lg[r : r + sp.length]
                     r += sp.length
                     if d:
                         acc, tok = verify_draft(rows, d, params[i], sp.start)
@@ -247,12 +291,18 @@ class Pipeline:
             for i, p in enumerate(params):
                 if p.speculate == "suffix" and outs[i]:
                     self.suffix_index.add(prompts[i][-8:] + outs[i])
-            self.last_stats = [{"speculate": st["speculate"], "proposed": st["proposed"], "accepted": st["accepted"],
-                                "acceptance": st["accepted"] / st["proposed"] if st["proposed"] else None,
-                                "passes": st["passes"],
-                                "tokens_per_pass": st["pass_tokens"] / st["passes"] if st["passes"] else None,
-                                "draft_us": st["draft_ns"] / 1000 / st["drafts"] if st["drafts"] else None}
-                               for st in stats]
+            self.last_stats = [
+                {
+                    "speculate": st["speculate"],
+                    "proposed": st["proposed"],
+                    "accepted": st["accepted"],
+                    "acceptance": st["accepted"] / st["proposed"] if st["proposed"] else None,
+                    "passes": st["passes"],
+                    "tokens_per_pass": st["pass_tokens"] / st["passes"] if st["passes"] else None,
+                    "draft_us": st["draft_ns"] / 1000 / st["drafts"] if st["drafts"] else None,
+                }
+                for st in stats
+            ]
             return outs
         finally:
             for s in ids:

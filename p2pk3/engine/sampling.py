@@ -1,5 +1,6 @@
 """Token sampling: greedy, or temperature / top-k / top-p with a per-session seeded generator.
 (`SamplingParams`, the request schema, is defined in p2pk3/params.py and re-exported here.)"""
+
 from __future__ import annotations
 
 import torch

@@ -13,6 +13,7 @@ it serves now, and the entry address every node knows is probed too. `hop_ms` is
 round trip (after the handshake), `compute_ms` the stage's last batch, `busy` its compute time / wall time
 over the last 5 s.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -84,8 +85,13 @@ class ClusterView:
         found = dict(zip(addrs, await asyncio.gather(*(probe(a, self.secret, self.timeout) for a in addrs))))
         # the entry address every node knows (it moves with a takeover of the entry slot)
         extra = {e for p in found.values() if p.status for e in [_addr(p.status.get("entry"))] if e and e not in found}
-        extra |= {a for p in found.values() if p.status for a in [_addr(p.status.get("address"))]
-                  if a and a not in found and a not in extra}
+        extra |= {
+            a
+            for p in found.values()
+            if p.status
+            for a in [_addr(p.status.get("address"))]
+            if a and a not in found and a not in extra
+        }
         if extra:
             more = list(extra)
             found.update(zip(more, await asyncio.gather(*(probe(a, self.secret, self.timeout) for a in more))))
@@ -117,22 +123,50 @@ class ClusterView:
         tps = [r["tokens_per_s"] for r in up if r["tokens_per_s"] is not None]
         spares = sum(r["state"] == "standby" for r in rows)
         # `up`: healthy nodes (serving or a standby ready to take over); `serving` of `active` ring slots
-        totals = {"tokens_per_s": max(tps) if tps else None, "nodes": len(rows), "up": len(up) + spares,
-                  "serving": len(up), "active": len(self.topo.active), "standby": spares,
-                  "live_sessions": entry.get("live_sessions") if entry else None,
-                  "finished": entry.get("finished") if entry else None,
-                  "failed": entry.get("failed") if entry else None,
-                  "paused": entry.get("paused") if entry else None,
-                  "unavailable": entry.get("unavailable") if entry else None}
-        return {"time": time.time(), "cluster": self.topo.cluster.name, "topology": self.topo.source,
-                "entry": _fmt(_addr(entry.get("address"))) if entry else None, "slots": rows, "totals": totals}
+        totals = {
+            "tokens_per_s": max(tps) if tps else None,
+            "nodes": len(rows),
+            "up": len(up) + spares,
+            "serving": len(up),
+            "active": len(self.topo.active),
+            "standby": spares,
+            "live_sessions": entry.get("live_sessions") if entry else None,
+            "finished": entry.get("finished") if entry else None,
+            "failed": entry.get("failed") if entry else None,
+            "paused": entry.get("paused") if entry else None,
+            "unavailable": entry.get("unavailable") if entry else None,
+        }
+        return {
+            "time": time.time(),
+            "cluster": self.topo.cluster.name,
+            "topology": self.topo.source,
+            "entry": _fmt(_addr(entry.get("address"))) if entry else None,
+            "slots": rows,
+            "totals": totals,
+        }
 
     def _row(self, s, p: Probe | None, down: set[str], now: float, prev: dict) -> dict:
-        row = {"slot": s.id, "standby_slot": s.standby, "state": "unreachable", "node": None, "role": None,
-               "address": _fmt((s.host, s.port)) if s.host and s.port else None, "epoch": None,
-               "layers": list(s.layers) if s.layers else None, "sessions": None, "queue": None,
-               "batches_per_s": None, "tokens_per_s": None, "compute_ms": None, "busy": None, "hop_ms": None, "memory": None,
-               "errors": None, "uptime_s": None, "reason": "no address known"}
+        row = {
+            "slot": s.id,
+            "standby_slot": s.standby,
+            "state": "unreachable",
+            "node": None,
+            "role": None,
+            "address": _fmt((s.host, s.port)) if s.host and s.port else None,
+            "epoch": None,
+            "layers": list(s.layers) if s.layers else None,
+            "sessions": None,
+            "queue": None,
+            "batches_per_s": None,
+            "tokens_per_s": None,
+            "compute_ms": None,
+            "busy": None,
+            "hop_ms": None,
+            "memory": None,
+            "errors": None,
+            "uptime_s": None,
+            "reason": "no address known",
+        }
         if p is None:
             if s.id in down:
                 row.update(state="dead", reason="the entry's failure detector reports it down")
@@ -149,9 +183,21 @@ class ClusterView:
             row.update(state="moved", node=st.get("node"), role=role, reason=f"serves slot {st.get('slot')} now")
             return row
         state = "up" if role in SERVING else "standby" if role == "standby" else "loading"
-        row.update(state=state, node=st.get("node"), role=role, epoch=st.get("epoch"), sessions=st.get("sessions"),
-                   queue=st.get("queue"), compute_ms=st.get("last_batch_ms"), busy=st.get("busy"), hop_ms=p.rtt_ms,
-                   memory=st.get("memory"), errors=st.get("errors"), uptime_s=st.get("uptime_s"), reason="answering")
+        row.update(
+            state=state,
+            node=st.get("node"),
+            role=role,
+            epoch=st.get("epoch"),
+            sessions=st.get("sessions"),
+            queue=st.get("queue"),
+            compute_ms=st.get("last_batch_ms"),
+            busy=st.get("busy"),
+            hop_ms=p.rtt_ms,
+            memory=st.get("memory"),
+            errors=st.get("errors"),
+            uptime_s=st.get("uptime_s"),
+            reason="answering",
+        )
         if st.get("layers"):
             row["layers"] = list(st["layers"])
         node, b, t = st.get("node"), int(st.get("batches") or 0), int(st.get("tokens") or 0)

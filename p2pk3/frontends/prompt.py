@@ -23,6 +23,7 @@ field at fault, which each front end names in its own terms (`--prompt` or `mess
 `max_completion_tokens`). The ranges checked here (`MAX_TEMPERATURE`, ...) are the ones the CLI's options
 and the API's schema declare.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,6 +49,7 @@ class PromptError(ValueError):
 @dataclass(frozen=True)
 class SamplingOverrides:
     """What the user set; None: the checkpoint's generation_config default."""
+
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -58,17 +60,21 @@ class SamplingOverrides:
     ignore_eos: bool = False  # no stop ids: generate until max_tokens (the API's vLLM extension)
 
     def __post_init__(self) -> None:
-        checks = (("temperature", lambda v: 0 <= v <= MAX_TEMPERATURE, f"in [0, {MAX_TEMPERATURE:g}]"),
-                  ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
-                  ("top_k", lambda v: v >= 0, ">= 0 (0: off)"),
-                  ("max_tokens", lambda v: v >= 0, ">= 0"),
-                  ("seed", lambda v: 0 <= v <= MAX_SEED, f"in [0, {MAX_SEED}]"))
+        checks = (
+            ("temperature", lambda v: 0 <= v <= MAX_TEMPERATURE, f"in [0, {MAX_TEMPERATURE:g}]"),
+            ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+            ("top_k", lambda v: v >= 0, ">= 0 (0: off)"),
+            ("max_tokens", lambda v: v >= 0, ">= 0"),
+            ("seed", lambda v: 0 <= v <= MAX_SEED, f"in [0, {MAX_SEED}]"),
+        )
         for name, ok, what in checks:
             v = getattr(self, name)
             if v is not None and not ok(v):
                 raise PromptError(name, f"{name} must be {what}, got {v}")
         if self.speculate not in SPEC_METHODS:
-            raise PromptError("speculate", f"speculate must be one of {', '.join(SPEC_METHODS)}, got {self.speculate!r}")
+            raise PromptError(
+                "speculate", f"speculate must be one of {', '.join(SPEC_METHODS)}, got {self.speculate!r}"
+            )
         if not 1 <= self.draft_tokens <= MAX_DRAFT:
             raise PromptError("draft_tokens", f"draft_tokens must be in [1, {MAX_DRAFT}], got {self.draft_tokens}")
 
@@ -100,12 +106,14 @@ class PromptBuilder:
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> PromptBuilder:
         from p2pk3.tokenizer import ChatTokenizer
+
         return cls(ChatTokenizer.from_pretrained(model_dir), context_length(model_dir))
 
     # -- prompt ids --------------------------------------------------------------------------------------
     def chat_ids(self, messages: Sequence[Mapping], tools: Sequence[dict] | None = None) -> list[int]:
         """The conversation through the checkpoint's chat template, ending with the generation prompt."""
         from p2pk3.tokenizer import ChatTemplateError
+
         try:
             ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
         except ChatTemplateError as e:
@@ -138,22 +146,28 @@ class PromptBuilder:
         if room < 1:
             raise PromptError("prompt", f"the prompt has {n_prompt} tokens; the model's context is {self.context_len}")
         if asked.max_tokens is not None and asked.max_tokens > room:
-            raise PromptError("max_tokens", f"{asked.max_tokens} tokens do not fit: the prompt has {n_prompt} "
-                                            f"tokens and the model's context is {self.context_len}")
+            raise PromptError(
+                "max_tokens",
+                f"{asked.max_tokens} tokens do not fit: the prompt has {n_prompt} "
+                f"tokens and the model's context is {self.context_len}",
+            )
         d = self.tok.generation_defaults
-        max_tokens = asked.max_tokens if asked.max_tokens is not None else \
-            max(1, min(d.max_tokens(n_prompt), room))
+        max_tokens = asked.max_tokens if asked.max_tokens is not None else max(1, min(d.max_tokens(n_prompt), room))
         return SamplingParams(
             temperature=d.temperature if asked.temperature is None else float(asked.temperature),
             top_p=d.top_p if asked.top_p is None else float(asked.top_p),
             top_k=d.top_k if asked.top_k is None else asked.top_k,
-            seed=asked.seed, max_tokens=max_tokens,
+            seed=asked.seed,
+            max_tokens=max_tokens,
             stop_ids=() if asked.ignore_eos else self.tok.stop_ids,
-            speculate=asked.speculate, draft_tokens=asked.draft_tokens)
+            speculate=asked.speculate,
+            draft_tokens=asked.draft_tokens,
+        )
 
     # -- whole requests ----------------------------------------------------------------------------------
-    def chat(self, messages: Sequence[Mapping], asked: SamplingOverrides,
-             tools: Sequence[dict] | None = None) -> Prompt:
+    def chat(
+        self, messages: Sequence[Mapping], asked: SamplingOverrides, tools: Sequence[dict] | None = None
+    ) -> Prompt:
         ids = self.chat_ids(messages, tools)
         return Prompt(ids, self.sampling(asked, len(ids)))
 

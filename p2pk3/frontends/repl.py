@@ -19,6 +19,7 @@ answer is printed on its own line, footers go to stderr, so it can be scripted:
 
 Slash commands: /reset, /system TEXT (no TEXT: no system prompt), /temp X, /max N, /stats, /help, /quit.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -96,8 +97,9 @@ def command(conv: Conversation, line: str) -> str | None:
                 raise ValueError
             conv.sampling = replace(conv.sampling, temperature=t)
         except ValueError:  # not a number, or outside the range (PromptError)
-            raise CommandError(f"/temp takes a number in [0, {MAX_TEMPERATURE:g}], e.g. /temp 0.7 "
-                               f"(got {arg!r})") from None
+            raise CommandError(
+                f"/temp takes a number in [0, {MAX_TEMPERATURE:g}], e.g. /temp 0.7 (got {arg!r})"
+            ) from None
         return f"[temperature {t:g}]"
     if name == "/max":
         try:
@@ -122,28 +124,38 @@ def footer(stats: dict, n: int) -> str:
 
 
 def stats_text(conv: Conversation, status: dict | None = None) -> str:
-    lines = [f"answers: {conv.answers} ({conv.stopped} stopped), tokens generated: {conv.generated}, "
-             f"messages in the conversation: {len(conv.messages)}"]
+    lines = [
+        f"answers: {conv.answers} ({conv.stopped} stopped), tokens generated: {conv.generated}, "
+        f"messages in the conversation: {len(conv.messages)}"
+    ]
     if conv.last_params is not None:
         p = conv.last_params
-        lines.append(f"sampling: temperature {p.temperature:g}, top_k {p.top_k}, top_p {p.top_p:g}, "
-                     f"max {p.max_tokens} tokens")
+        lines.append(
+            f"sampling: temperature {p.temperature:g}, top_k {p.top_k}, top_p {p.top_p:g}, max {p.max_tokens} tokens"
+        )
     else:
         a = conv.sampling
-        shown = [f"{k} {'default' if v is None else f'{v:g}'}" for k, v in
-                 (("temperature", a.temperature), ("top_k", a.top_k), ("top_p", a.top_p), ("max", a.max_tokens))]
+        shown = [
+            f"{k} {'default' if v is None else f'{v:g}'}"
+            for k, v in (("temperature", a.temperature), ("top_k", a.top_k), ("top_p", a.top_p), ("max", a.max_tokens))
+        ]
         lines.append("sampling (default: the model's generation_config): " + ", ".join(shown))
     if conv.last and conv.last.get("stopped"):
         lines.append(f"last answer: stopped after {conv.last['generated_tokens']} tokens (no timings)")
     elif conv.last:
         s = conv.last
-        lines.append("last answer: " + footer(s, s.get("generated_tokens", 0))[1:-1]
-                     + f" · prompt {s.get('prompt_tokens', '?')} tokens · total {s.get('total_s') or 0:.2f} s")
+        lines.append(
+            "last answer: "
+            + footer(s, s.get("generated_tokens", 0))[1:-1]
+            + f" · prompt {s.get('prompt_tokens', '?')} tokens · total {s.get('total_s') or 0:.2f} s"
+        )
     if status:
-        lines.append(f"entry {status.get('slot')} ({status.get('node')}): {status.get('live_sessions', 0)} live "
-                     f"sessions, {status.get('finished', 0)} finished, {status.get('cancelled', 0)} stopped by "
-                     f"their client, {status.get('failed', 0)} failed, "
-                     f"{status.get('tokens', 0)} tokens computed")
+        lines.append(
+            f"entry {status.get('slot')} ({status.get('node')}): {status.get('live_sessions', 0)} live "
+            f"sessions, {status.get('finished', 0)} finished, {status.get('cancelled', 0)} stopped by "
+            f"their client, {status.get('failed', 0)} failed, "
+            f"{status.get('tokens', 0)} tokens computed"
+        )
     return "\n".join(lines)
 
 
@@ -157,6 +169,7 @@ class LineReader:
         if interactive:
             try:
                 import readline
+
                 self.readline = readline
             except ImportError:  # pragma: no cover - no readline on this platform: plain input()
                 pass
@@ -201,8 +214,17 @@ class LineReader:
 
 
 class Chat:
-    def __init__(self, client_factory: Callable[[], Awaitable], prompts: PromptBuilder, sampling: SamplingOverrides,
-                 *, system: str | None, out: TextIO, err: TextIO, interactive: bool):
+    def __init__(
+        self,
+        client_factory: Callable[[], Awaitable],
+        prompts: PromptBuilder,
+        sampling: SamplingOverrides,
+        *,
+        system: str | None,
+        out: TextIO,
+        err: TextIO,
+        interactive: bool,
+    ):
         self.factory, self.prompts = client_factory, prompts
         self.conv = Conversation(sampling, system)
         self.out, self.err, self.interactive = out, err, interactive
@@ -266,10 +288,19 @@ class Chat:
             self.say(footer(stats, len(got)), err=not self.interactive)
 
 
-def run_chat(client_factory: Callable[[], Awaitable], prompts: PromptBuilder,
-             sampling: SamplingOverrides | None = None, *, system: str | None = None, stdin: TextIO | None = None,
-             out: TextIO | None = None, err: TextIO | None = None, interactive: bool | None = None,
-             history_file: str | Path | None = "~/.p2pk3_chat_history", banner: str | None = None) -> int:
+def run_chat(
+    client_factory: Callable[[], Awaitable],
+    prompts: PromptBuilder,
+    sampling: SamplingOverrides | None = None,
+    *,
+    system: str | None = None,
+    stdin: TextIO | None = None,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+    interactive: bool | None = None,
+    history_file: str | Path | None = "~/.p2pk3_chat_history",
+    banner: str | None = None,
+) -> int:
     """Run the REPL until /quit or the end of input; returns 0. ConnectionError when the cluster cannot be
     reached at the start (later losses are reported and the next message reconnects). Must run in the main
     thread (Ctrl-C stops an answer through SIGINT)."""
@@ -280,11 +311,19 @@ def run_chat(client_factory: Callable[[], Awaitable], prompts: PromptBuilder,
         # Ctrl-C must stop an answer even when we were started with SIGINT ignored (a background job of a
         # non-interactive shell inherits SIG_IGN; asyncio.Runner then installs no handler)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    chat = Chat(client_factory, prompts, sampling or SamplingOverrides(), system=system, out=out, err=err,
-                interactive=interactive)
+    chat = Chat(
+        client_factory,
+        prompts,
+        sampling or SamplingOverrides(),
+        system=system,
+        out=out,
+        err=err,
+        interactive=interactive,
+    )
     reader = LineReader(stdin, out, interactive, history_file if interactive else None)
     try:
         import uvloop
+
         runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
     except ImportError:  # pragma: no cover
         runner = asyncio.Runner()

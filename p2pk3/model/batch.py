@@ -2,6 +2,7 @@
 sessions (offsets, which spans are decode steps or verify spans, the cache rows), computed once per
 stage forward and shared by every layer. Below the model file, so that the layers and the stage that
 builds the batch (`p2pk3.model.stage`) both import it without a cycle."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -46,8 +47,11 @@ class Batch:
         fast path; None when the batch is all one kind."""
         if not hasattr(self, "_parts"):
             one = [i for i, s in enumerate(self.spans) if s.length == 1]
-            self._parts = (one, [i for i in range(len(self.spans)) if self.spans[i].length != 1]) \
-                if one and len(one) < len(self.spans) else None
+            self._parts = (
+                (one, [i for i in range(len(self.spans)) if self.spans[i].length != 1])
+                if one and len(one) < len(self.spans)
+                else None
+            )
         return self._parts
 
     def sub(self, idx: list[int]) -> "Batch":

@@ -9,14 +9,14 @@ so the planner and `topology check` can use them without loading torch): `StageC
 the memory estimators (p2pk3/topology/sizing.py, the planner's table in p2pk3/plan/memory.py) call
 `kda_session_bytes` and `mla_pool_bytes` (tests/test_sizing.py: estimate = allocation).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
 
-from .cache_sizes import (DEFAULT_BLOCK_SIZE, KDA_STATE_DTYPE_NAME, kda_session_bytes,  # noqa: F401 (re-exported)
-                          mla_blocks, mla_pool_bytes)
+from .cache_sizes import DEFAULT_BLOCK_SIZE, KDA_STATE_DTYPE_NAME, mla_blocks
 
 KDA_STATE_DTYPE = getattr(torch, KDA_STATE_DTYPE_NAME)  # recurrent state and short-conv history
 
@@ -75,20 +75,35 @@ class Span:
 
 
 class StageCache:
-    def __init__(self, *, kda_layers: list[int], mla_layers: list[int], kda_heads: int, kda_head_dim: int,
-                 conv_channels: int, conv_size: int, mla_width: int, max_sessions: int, max_tokens: int,
-                 block_size: int = DEFAULT_BLOCK_SIZE, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        *,
+        kda_layers: list[int],
+        mla_layers: list[int],
+        kda_heads: int,
+        kda_head_dim: int,
+        conv_channels: int,
+        conv_size: int,
+        mla_width: int,
+        max_sessions: int,
+        max_tokens: int,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ):
         self.max_sessions = max_sessions
         self.block_size = block_size
         self.num_blocks = mla_blocks(max_tokens, max_sessions, block_size) if mla_layers else 0
         K, sd = kda_head_dim, KDA_STATE_DTYPE
         # KDA: state pool [S, H, K, V] and the last (conv_size - 1) pre-conv inputs of q, k, v (kda_session_bytes)
         self.kda_state = {i: torch.zeros(max_sessions, kda_heads, K, K, dtype=sd, device=device) for i in kda_layers}
-        self.conv_state = {i: torch.zeros(max_sessions, conv_channels, conv_size - 1, dtype=sd, device=device)
-                           for i in kda_layers}
+        self.conv_state = {
+            i: torch.zeros(max_sessions, conv_channels, conv_size - 1, dtype=sd, device=device) for i in kda_layers
+        }
         # MLA: one paged pool per layer, all indexed by the same per-session block list.
-        self.mla_kv = {i: torch.zeros(self.num_blocks, block_size, mla_width, dtype=dtype, device=device) for i in mla_layers}
+        self.mla_kv = {
+            i: torch.zeros(self.num_blocks, block_size, mla_width, dtype=dtype, device=device) for i in mla_layers
+        }
         self.sessions: dict[str, SessionCache] = {}
         self._free_rows = list(range(max_sessions - 1, -1, -1))
         self._free_blocks = list(range(self.num_blocks - 1, -1, -1))
@@ -133,8 +148,9 @@ class StageCache:
         for sp in spans:
             sc = self.get(sp.session)
             if sp.start != sc.length:
-                raise SessionError(f"session {sp.session!r}: span starts at position {sp.start} "
-                                   f"but the stage holds {sc.length} tokens")
+                raise SessionError(
+                    f"session {sp.session!r}: span starts at position {sp.start} but the stage holds {sc.length} tokens"
+                )
             if self.mla_kv:
                 need += max(0, -(-(sc.length + sp.length) // self.block_size) - len(sc.blocks))
         if need > len(self._free_blocks):
@@ -153,9 +169,15 @@ class StageCache:
         sc = self.get(session)
         ck = sc.ckpt
         if ck is None or not ck.start <= length <= ck.start + ck.width or sc.length != ck.start + ck.width:
-            raise SessionError(f"session {session!r}: cannot roll back to position {length} (the stage holds "
-                               f"{sc.length} tokens" + (f", its last verify pass covers {ck.start}..{ck.start + ck.width})"
-                                                        if ck else " and no verify pass)"))
+            raise SessionError(
+                f"session {session!r}: cannot roll back to position {length} (the stage holds "
+                f"{sc.length} tokens"
+                + (
+                    f", its last verify pass covers {ck.start}..{ck.start + ck.width})"
+                    if ck
+                    else " and no verify pass)"
+                )
+            )
         return ck
 
     def truncate(self, session: str, length: int) -> None:
@@ -171,7 +193,7 @@ class StageCache:
         """Memory held by rollback checkpoints now (all sessions)."""
         n = 0
         for sc in self.sessions.values():
-            for k in (sc.ckpt.kda.values() if sc.ckpt else ()):
+            for k in sc.ckpt.kda.values() if sc.ckpt else ():
                 for t in (k.state, k.conv, k.pre_conv, *k.inputs):
                     n += t.numel() * t.element_size()
         return n

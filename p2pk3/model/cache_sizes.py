@@ -1,6 +1,7 @@
 """The byte sizes of a stage's caches, defined once: `StageCache` (p2pk3/model/cache.py) allocates with them
 and the memory estimators (p2pk3/topology/sizing.py, p2pk3/plan/) charge them. Torch-free: a dtype is
 anything with an `itemsize` (a torch.dtype, or `DTypeSize` for the estimators)."""
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -32,8 +33,9 @@ def mla_blocks(max_tokens: int, max_sessions: int, block_size: int = DEFAULT_BLO
     return -(-max_tokens // block_size) + max_sessions
 
 
-def mla_pool_bytes(max_tokens: int, max_sessions: int, mla_width: int, dtype,
-                   block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+def mla_pool_bytes(
+    max_tokens: int, max_sessions: int, mla_width: int, dtype, block_size: int = DEFAULT_BLOCK_SIZE
+) -> int:
     """One MLA layer's paged latent cache: `mla_blocks` blocks of block_size x mla_width in `dtype` (the
     stage's activation dtype; anything with `itemsize`)."""
     return mla_blocks(max_tokens, max_sessions, block_size) * block_size * mla_width * dtype.itemsize

@@ -13,6 +13,7 @@ the eager step captured per bucket by `torch.cuda.CUDAGraph` (the kernels are sy
 that capture fails too) to eager for that stage. Inductor's caches (on by default, under TORCHINDUCTOR_CACHE_DIR) make a restart recompile
 from cache.
 """
+
 from __future__ import annotations
 
 import logging
@@ -76,8 +77,9 @@ class CompiledDecode:
             if width != bt.shape[1]:
                 bt = torch.nn.functional.pad(bt, (0, width - bt.shape[1]))
             batch.memo("bt", lambda: bt)
-            batch.memo("lens", lambda: torch.tensor([s.start + 1 for s in batch.spans], dtype=torch.int32,
-                                                    device=batch.device))
+            batch.memo(
+                "lens", lambda: torch.tensor([s.start + 1 for s in batch.spans], dtype=torch.int32, device=batch.device)
+            )
             batch.memo("token_rows", lambda: cache.token_rows(batch.spans, batch.device))
         if self.cuda_graphs:  # the cache pools are mutated in place by the graph: fixed addresses
             for t in (*cache.kda_state.values(), *cache.conv_state.values(), *cache.mla_kv.values()):
@@ -105,17 +107,25 @@ class CompiledDecode:
             why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
             if self.cuda and self.cuda_graphs:  # this call runs eager (the warm-up); later ones replay a capture
                 self.explicit = True
-                log.warning("stage %s: torch.compile failed (%s); capturing the eager decode step as CUDA graphs",
-                            self.stage.plan.layers, why)
+                log.warning(
+                    "stage %s: torch.compile failed (%s); capturing the eager decode step as CUDA graphs",
+                    self.stage.plan.layers,
+                    why,
+                )
                 return None
             self.failed = why
             log.warning("stage %s: compiled decode off, running eager (%s)", self.stage.plan.layers, self.failed)
             return None
         if first:
             self.compile_s[key] = time.perf_counter() - t0
-            log.info("stage %s: decode graph for batch %d, block width %d compiled in %.1f s%s",
-                     self.stage.plan.layers, key[0], key[1], self.compile_s[key],
-                     " (CUDA graphs)" if self.cuda_graphs else "")
+            log.info(
+                "stage %s: decode graph for batch %d, block width %d compiled in %.1f s%s",
+                self.stage.plan.layers,
+                key[0],
+                key[1],
+                self.compile_s[key],
+                " (CUDA graphs)" if self.cuda_graphs else "",
+            )
         if self.cuda_graphs:  # a graph's outputs are overwritten by its next replay
             out = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in out)
         return out
@@ -134,13 +144,20 @@ class CompiledDecode:
                 with torch.cuda.graph(g):
                     out = self.step(batch, *static)
             except Exception as e:  # noqa: BLE001
-                self.failed = f"CUDA graph capture: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                self.failed = f"CUDA graph capture: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[
+                    :300
+                ]
                 log.warning("stage %s: compiled decode off, running eager (%s)", self.stage.plan.layers, self.failed)
                 return None
             self._graphs[key] = (g, memo, static, out)
             self.compile_s[key] = time.perf_counter() - t0
-            log.info("stage %s: decode step for batch %d, block width %d captured as a CUDA graph in %.1f s",
-                     self.stage.plan.layers, key[0], key[1], self.compile_s[key])
+            log.info(
+                "stage %s: decode step for batch %d, block width %d captured as a CUDA graph in %.1f s",
+                self.stage.plan.layers,
+                key[0],
+                key[1],
+                self.compile_s[key],
+            )
         else:
             g, memo, static, out = self._graphs[key]
             for k, v in memo.items():

@@ -6,6 +6,7 @@ Facts and their sources are in `shared/spec/kimi-k3-architecture.md` (section 1.
 Kimi-Linear-48B-A3B). Layer lists in the checkpoint are **1-indexed**; everything in this package is
 0-indexed (`layer_types[i]`).
 """
+
 from __future__ import annotations
 
 import json
@@ -30,42 +31,120 @@ class ConfigWarning(UserWarning):
 # fine-tuning / encoder-decoder / export attributes, 5.x `dtype` and implementation switches. None of them
 # changes the math of this inference-only decoder, so they are ignored without a word at every level (the
 # token ids and `model_type` among them are still read from the text config; `_HF_DEFAULT_ONLY` are checked).
-_HF_BOILERPLATE = frozenset({
-    # bookkeeping
-    "architectures", "auto_map", "model_type", "transformers_version", "_name_or_path", "name_or_path",
-    "_commit_hash", "_attn_implementation_autoset", "attn_implementation", "_attn_implementation",
-    "experts_implementation", "torch_dtype", "dtype", "use_bfloat16", "torchscript", "tf_legacy_loss",
-    # outputs / caching switches
-    "return_dict", "output_hidden_states", "output_attentions", "output_scores", "return_dict_in_generate",
-    "use_cache", "chunk_size_feed_forward", "pruned_heads", "tie_word_embeddings",
-    # encoder-decoder / cross attention
-    "is_encoder_decoder", "is_decoder", "add_cross_attention", "cross_attention_hidden_size",
-    "tie_encoder_decoder", "decoder_start_token_id",
-    # fine-tuning and tokenizer hints
-    "finetuning_task", "id2label", "label2id", "num_labels", "problem_type", "tokenizer_class", "prefix",
-    "task_specific_params",
-    # special token ids
-    "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id",
-    # generation defaults (sampling is configured per request / generation_config.json, not here)
-    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
-    "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
-    "repetition_penalty", "encoder_repetition_penalty", "length_penalty", "no_repeat_ngram_size",
-    "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "forced_bos_token_id",
-    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens",
-    "begin_suppress_tokens", "num_assistant_tokens", "num_assistant_tokens_schedule",
-    "assistant_confidence_threshold", "assistant_lookbehind", "target_lookbehind",
-})
+_HF_BOILERPLATE = frozenset(
+    {
+        # bookkeeping
+        "architectures",
+        "auto_map",
+        "model_type",
+        "transformers_version",
+        "_name_or_path",
+        "name_or_path",
+        "_commit_hash",
+        "_attn_implementation_autoset",
+        "attn_implementation",
+        "_attn_implementation",
+        "experts_implementation",
+        "torch_dtype",
+        "dtype",
+        "use_bfloat16",
+        "torchscript",
+        "tf_legacy_loss",
+        # outputs / caching switches
+        "return_dict",
+        "output_hidden_states",
+        "output_attentions",
+        "output_scores",
+        "return_dict_in_generate",
+        "use_cache",
+        "chunk_size_feed_forward",
+        "pruned_heads",
+        "tie_word_embeddings",
+        # encoder-decoder / cross attention
+        "is_encoder_decoder",
+        "is_decoder",
+        "add_cross_attention",
+        "cross_attention_hidden_size",
+        "tie_encoder_decoder",
+        "decoder_start_token_id",
+        # fine-tuning and tokenizer hints
+        "finetuning_task",
+        "id2label",
+        "label2id",
+        "num_labels",
+        "problem_type",
+        "tokenizer_class",
+        "prefix",
+        "task_specific_params",
+        # special token ids
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "sep_token_id",
+        # generation defaults (sampling is configured per request / generation_config.json, not here)
+        "max_length",
+        "min_length",
+        "do_sample",
+        "early_stopping",
+        "num_beams",
+        "num_beam_groups",
+        "diversity_penalty",
+        "temperature",
+        "top_k",
+        "top_p",
+        "typical_p",
+        "epsilon_cutoff",
+        "eta_cutoff",
+        "repetition_penalty",
+        "encoder_repetition_penalty",
+        "length_penalty",
+        "no_repeat_ngram_size",
+        "encoder_no_repeat_ngram_size",
+        "bad_words_ids",
+        "num_return_sequences",
+        "forced_bos_token_id",
+        "forced_eos_token_id",
+        "remove_invalid_values",
+        "exponential_decay_length_penalty",
+        "suppress_tokens",
+        "begin_suppress_tokens",
+        "num_assistant_tokens",
+        "num_assistant_tokens_schedule",
+        "assistant_confidence_threshold",
+        "assistant_lookbehind",
+        "target_lookbehind",
+    }
+)
 # Boilerplate keys that would describe a different model if they left their default.
-_HF_DEFAULT_ONLY = {"pruned_heads": {}, "is_encoder_decoder": False, "add_cross_attention": False,
-                    "tie_encoder_decoder": False}
+_HF_DEFAULT_ONLY = {
+    "pruned_heads": {},
+    "is_encoder_decoder": False,
+    "add_cross_attention": False,
+    "tie_encoder_decoder": False,
+}
 
 # Keys of the multimodal K3 wrapper (top level) besides boilerplate; they do not concern the text tower.
-_WRAPPER_KEYS = frozenset({
-    "text_config", "vision_config", "quantization_config", "media_placeholder_token_id", "ignore_index",
-    "image_token_index", "image_token_id", "video_token_id", "projector_hidden_act", "projector_ln_eps",
-    "mm_projector_type", "mm_hidden_size", "vision_feature_layer", "vision_feature_select_strategy",
-    "video_placeholder", "image_placeholder",
-})
+_WRAPPER_KEYS = frozenset(
+    {
+        "text_config",
+        "vision_config",
+        "quantization_config",
+        "media_placeholder_token_id",
+        "ignore_index",
+        "image_token_index",
+        "image_token_id",
+        "video_token_id",
+        "projector_hidden_act",
+        "projector_ln_eps",
+        "mm_projector_type",
+        "mm_hidden_size",
+        "vision_feature_layer",
+        "vision_feature_select_strategy",
+        "video_placeholder",
+        "image_placeholder",
+    }
+)
+
 
 @dataclass(frozen=True)
 class QuantConfig:
@@ -181,15 +260,24 @@ class K3Config:
                 raise ConfigError(msg)
 
         L = self.num_hidden_layers
-        need(L > 0 and self.hidden_size > 0 and self.vocab_size > 0, "hidden_size, num_hidden_layers and vocab_size must be positive")
+        need(
+            L > 0 and self.hidden_size > 0 and self.vocab_size > 0,
+            "hidden_size, num_hidden_layers and vocab_size must be positive",
+        )
         need(all(0 <= i < L for i in self.full_attn_layers), f"full_attn_layers name layers outside 1..{L}")
         n_kda = L - len(set(self.full_attn_layers))
         if n_kda:
-            need(self.kda_num_heads > 0 and self.kda_head_dim > 0, "KDA layers present but linear_attn_config.num_heads/head_dim missing")
+            need(
+                self.kda_num_heads > 0 and self.kda_head_dim > 0,
+                "KDA layers present but linear_attn_config.num_heads/head_dim missing",
+            )
         if self.full_attn_layers:
             need(self.num_attention_heads > 0, "MLA layers present but num_attention_heads missing")
         if self.kda_gate_lower_bound is not None:
-            need(-5.0 <= self.kda_gate_lower_bound < 0, f"gate_lower_bound must be in [-5, 0), got {self.kda_gate_lower_bound}")
+            need(
+                -5.0 <= self.kda_gate_lower_bound < 0,
+                f"gate_lower_bound must be in [-5, 0), got {self.kda_gate_lower_bound}",
+            )
         need(self.hidden_act in ("situ", "silu"), f"hidden_act {self.hidden_act!r} is not supported (situ or silu)")
         if self.num_experts:
             need(0 < self.num_experts_per_token <= self.num_experts, "num_experts_per_token must be in 1..num_experts")
@@ -201,10 +289,15 @@ class K3Config:
             need(self.routed_expert_hidden_size is not None, "latent_moe_use_norm needs routed_expert_hidden_size")
         if self.quant is not None:
             g = self.quant.group_size
-            need(self.quant.format == "mxfp4-pack-quantized", f"quantization format {self.quant.format!r} is not supported (mxfp4-pack-quantized)")
+            need(
+                self.quant.format == "mxfp4-pack-quantized",
+                f"quantization format {self.quant.format!r} is not supported (mxfp4-pack-quantized)",
+            )
             need(g == 32 and self.quant.num_bits == 4, "MXFP4 needs group_size 32 and 4 bits")
-            need(self.expert_width % g == 0 and self.moe_intermediate_size % g == 0,
-                 f"expert widths ({self.expert_width}, {self.moe_intermediate_size}) must be multiples of the MX group {g}")
+            need(
+                self.expert_width % g == 0 and self.moe_intermediate_size % g == 0,
+                f"expert widths ({self.expert_width}, {self.moe_intermediate_size}) must be multiples of the MX group {g}",
+            )
         if self.attn_res_block_size is not None:
             need(self.attn_res_block_size > 0, "attn_res_block_size must be positive")
 
@@ -270,14 +363,16 @@ class K3Config:
             if self.quant is not None:
                 text["quantization_config"] = _quant_to_hf(self.quant)
             return text
-        text.update({
-            "mla_use_output_gate": self.mla_use_output_gate,
-            "routed_expert_hidden_size": self.routed_expert_hidden_size,
-            "latent_moe_use_norm": self.latent_moe_use_norm,
-            "activation_situ_beta": self.situ_beta,
-            "activation_situ_linear_beta": self.situ_linear_beta,
-            "attn_res_block_size": self.attn_res_block_size,
-        })
+        text.update(
+            {
+                "mla_use_output_gate": self.mla_use_output_gate,
+                "routed_expert_hidden_size": self.routed_expert_hidden_size,
+                "latent_moe_use_norm": self.latent_moe_use_norm,
+                "activation_situ_beta": self.situ_beta,
+                "activation_situ_linear_beta": self.situ_linear_beta,
+                "attn_res_block_size": self.attn_res_block_size,
+            }
+        )
         out: dict[str, Any] = {
             "model_type": "kimi_k3",
             "architectures": ["KimiK3ForConditionalGeneration"],
@@ -318,15 +413,27 @@ def _quant_to_hf(q: QuantConfig) -> dict[str, Any]:
             "group_0": {
                 "format": q.format,
                 "targets": ["Linear"],
-                "weights": {"num_bits": q.num_bits, "type": "float", "group_size": q.group_size,
-                            "strategy": "group", "symmetric": True, "dynamic": False, "scale_dtype": "uint8"},
+                "weights": {
+                    "num_bits": q.num_bits,
+                    "type": "float",
+                    "group_size": q.group_size,
+                    "strategy": "group",
+                    "symmetric": True,
+                    "dynamic": False,
+                    "scale_dtype": "uint8",
+                },
                 "input_activations": None,
                 "output_activations": None,
             }
         },
-        "ignore": list(q.ignore) or [
-            "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
-            "re:.*routed_expert_(down|up)_proj.*", "re:.*block_sparse_moe\\.gate$", "lm_head",
+        "ignore": list(q.ignore)
+        or [
+            "re:.*self_attn.*",
+            "re:.*shared_experts.*",
+            "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+            "re:.*routed_expert_(down|up)_proj.*",
+            "re:.*block_sparse_moe\\.gate$",
+            "lm_head",
         ],
     }
 
@@ -348,28 +455,91 @@ def _parse_quant(q: dict[str, Any] | None) -> QuantConfig | None:
         raise ConfigError(f"quantized weight type {w.get('type')!r} is not supported (float = MXFP4)")
     if grp.get("input_activations"):
         raise ConfigError("activation quantization in the checkpoint is not supported (K3 declares none)")
-    return QuantConfig(format=fmt, group_size=int(w.get("group_size", 0)), num_bits=int(w.get("num_bits", 0)),
-                       ignore=tuple(q.get("ignore") or ()))
+    return QuantConfig(
+        format=fmt,
+        group_size=int(w.get("group_size", 0)),
+        num_bits=int(w.get("num_bits", 0)),
+        ignore=tuple(q.get("ignore") or ()),
+    )
 
 
 # Model keys of the text config (kimi_linear): read below, checked below, or known not to change the
 # math at inference (training-only knobs, legacy fields, rope_* of a NoPE model).
-_TEXT_KEYS = frozenset({
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "intermediate_size", "num_experts", "num_experts_per_token", "num_experts_per_tok", "n_routed_experts",
-    "num_shared_experts", "n_shared_experts", "moe_intermediate_size", "routed_expert_hidden_size",
-    "latent_moe_use_norm", "hidden_act", "activation_situ_beta", "activation_situ_linear_beta",
-    "attn_res_block_size", "rms_norm_eps", "routed_scaling_factor", "q_lora_rank", "kv_lora_rank",
-    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mla_use_nope", "mla_use_output_gate",
-    "full_attn_layers", "kda_layers", "linear_attn_config", "quantization_config", "max_position_embeddings",
-    "model_max_length", "first_k_dense_replace", "moe_layer_freq", "moe_router_activation_func",
-    "moe_renormalize", "norm_topk_prob", "scoring_func", "topk_method", "use_grouped_topk", "num_expert_group",
-    "n_group", "topk_group", "num_nextn_predict_layers", "rope_theta", "rope_scaling", "rope_parameters",
-    "initializer_range", "attention_dropout", "attention_bias", "pretraining_tp", "aux_loss_alpha", "seq_aux",
-    "router_aux_loss_coef", "output_router_logits", "ep_size", "use_cache_for_linear",
-})
-_LINEAR_ATTN_KEYS = frozenset({"num_heads", "head_dim", "short_conv_kernel_size", "gate_lower_bound",
-                               "use_full_rank_gate", "kda_layers", "full_attn_layers"})
+_TEXT_KEYS = frozenset(
+    {
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "num_experts",
+        "num_experts_per_token",
+        "num_experts_per_tok",
+        "n_routed_experts",
+        "num_shared_experts",
+        "n_shared_experts",
+        "moe_intermediate_size",
+        "routed_expert_hidden_size",
+        "latent_moe_use_norm",
+        "hidden_act",
+        "activation_situ_beta",
+        "activation_situ_linear_beta",
+        "attn_res_block_size",
+        "rms_norm_eps",
+        "routed_scaling_factor",
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "mla_use_nope",
+        "mla_use_output_gate",
+        "full_attn_layers",
+        "kda_layers",
+        "linear_attn_config",
+        "quantization_config",
+        "max_position_embeddings",
+        "model_max_length",
+        "first_k_dense_replace",
+        "moe_layer_freq",
+        "moe_router_activation_func",
+        "moe_renormalize",
+        "norm_topk_prob",
+        "scoring_func",
+        "topk_method",
+        "use_grouped_topk",
+        "num_expert_group",
+        "n_group",
+        "topk_group",
+        "num_nextn_predict_layers",
+        "rope_theta",
+        "rope_scaling",
+        "rope_parameters",
+        "initializer_range",
+        "attention_dropout",
+        "attention_bias",
+        "pretraining_tp",
+        "aux_loss_alpha",
+        "seq_aux",
+        "router_aux_loss_coef",
+        "output_router_logits",
+        "ep_size",
+        "use_cache_for_linear",
+    }
+)
+_LINEAR_ATTN_KEYS = frozenset(
+    {
+        "num_heads",
+        "head_dim",
+        "short_conv_kernel_size",
+        "gate_lower_bound",
+        "use_full_rank_gate",
+        "kda_layers",
+        "full_attn_layers",
+    }
+)
 
 _warned: set[tuple[str, ...]] = set()  # unknown-key sets already reported (warn once per process)
 
@@ -378,8 +548,10 @@ def _check_keys(raw: dict[str, Any], known: frozenset[str], where: str) -> list[
     """Unknown keys of one level (as `where.key`); boilerplate that must keep its default is checked."""
     for k, default in _HF_DEFAULT_ONLY.items():
         if k in raw and raw[k] not in (default, None):
-            raise ConfigError(f"{where}{k} = {raw[k]!r}: this engine runs the model only with the default "
-                              f"{default!r} (a decoder-only model without pruned heads or cross attention)")
+            raise ConfigError(
+                f"{where}{k} = {raw[k]!r}: this engine runs the model only with the default "
+                f"{default!r} (a decoder-only model without pruned heads or cross attention)"
+            )
     return [where + k for k in sorted(set(raw) - known - _HF_BOILERPLATE)]
 
 
@@ -392,9 +564,13 @@ def _report_unknown(unknown: list[str], strict: bool, source: str) -> None:
     if key in _warned:
         return
     _warned.add(key)
-    warnings.warn(f"{source}: ignoring keys this engine does not know: {', '.join(unknown)}. If one of them "
-                  f"changes the model, the result will be wrong: check it against p2pk3/model/config.py "
-                  f"(strict=True makes this an error)", ConfigWarning, stacklevel=4)
+    warnings.warn(
+        f"{source}: ignoring keys this engine does not know: {', '.join(unknown)}. If one of them "
+        f"changes the model, the result will be wrong: check it against p2pk3/model/config.py "
+        f"(strict=True makes this an error)",
+        ConfigWarning,
+        stacklevel=4,
+    )
 
 
 def _parse_hf(raw: dict[str, Any], *, strict: bool, source: str = "config.json") -> K3Config:
@@ -440,7 +616,9 @@ def _parse_hf(raw: dict[str, Any], *, strict: bool, source: str = "config.json")
         raise ConfigError(f"layers {sorted(both)} are in both kda_layers and full_attn_layers")
     missing = set(range(1, L + 1)) - set(full1) - set(kda1)
     if missing:
-        raise ConfigError(f"layers {sorted(missing)} are in neither kda_layers nor full_attn_layers (lists are 1-indexed)")
+        raise ConfigError(
+            f"layers {sorted(missing)} are in neither kda_layers nor full_attn_layers (lists are 1-indexed)"
+        )
     outside = [i for i in full1 + kda1 if not 1 <= i <= L]
     if outside:
         raise ConfigError(f"layer numbers {outside} outside 1..{L} (lists are 1-indexed)")
@@ -448,7 +626,9 @@ def _parse_hf(raw: dict[str, Any], *, strict: bool, source: str = "config.json")
     heads = int(text.get("num_attention_heads", 0))
     kvh = text.get("num_key_value_heads", heads)
     if kvh != heads:
-        raise ConfigError(f"num_key_value_heads {kvh} != num_attention_heads {heads}: MLA shares one latent, heads must match")
+        raise ConfigError(
+            f"num_key_value_heads {kvh} != num_attention_heads {heads}: MLA shares one latent, heads must match"
+        )
     if text.get("mla_use_nope") is False:
         raise ConfigError("mla_use_nope=false (rotary MLA) is not supported: K3 and Kimi Linear use NoPE")
     if text.get("moe_router_activation_func", "sigmoid") != "sigmoid":
@@ -526,58 +706,154 @@ def _k3_full_attn(L: int) -> tuple[int, ...]:
 
 
 KIMI_K3 = K3Config(
-    vocab_size=163840, hidden_size=7168, num_hidden_layers=93, rms_norm_eps=1e-5,
-    bos_token_id=163584, eos_token_id=163586, pad_token_id=163839,
+    vocab_size=163840,
+    hidden_size=7168,
+    num_hidden_layers=93,
+    rms_norm_eps=1e-5,
+    bos_token_id=163584,
+    eos_token_id=163586,
+    pad_token_id=163839,
     full_attn_layers=_k3_full_attn(93),
-    kda_num_heads=96, kda_head_dim=128, kda_conv_size=4, kda_gate_lower_bound=-5.0, kda_full_rank_gate=True,
-    num_attention_heads=96, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-    v_head_dim=128, mla_use_output_gate=True,
-    intermediate_size=33792, first_k_dense_replace=1, num_experts=896, num_experts_per_token=16,
-    num_shared_experts=2, moe_intermediate_size=3072, routed_expert_hidden_size=3584, latent_moe_use_norm=True,
-    routed_scaling_factor=1.0, hidden_act="situ", situ_beta=4.0, situ_linear_beta=25.0,
-    attn_res_block_size=12, quant=QuantConfig(), model_type="kimi_k3",
+    kda_num_heads=96,
+    kda_head_dim=128,
+    kda_conv_size=4,
+    kda_gate_lower_bound=-5.0,
+    kda_full_rank_gate=True,
+    num_attention_heads=96,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    mla_use_output_gate=True,
+    intermediate_size=33792,
+    first_k_dense_replace=1,
+    num_experts=896,
+    num_experts_per_token=16,
+    num_shared_experts=2,
+    moe_intermediate_size=3072,
+    routed_expert_hidden_size=3584,
+    latent_moe_use_norm=True,
+    routed_scaling_factor=1.0,
+    hidden_act="situ",
+    situ_beta=4.0,
+    situ_linear_beta=25.0,
+    attn_res_block_size=12,
+    quant=QuantConfig(),
+    model_type="kimi_k3",
 )
 
 KIMI_LINEAR_48B = K3Config(
-    vocab_size=163840, hidden_size=2304, num_hidden_layers=27, rms_norm_eps=1e-5,
-    bos_token_id=163584, eos_token_id=163586, pad_token_id=163839,
+    vocab_size=163840,
+    hidden_size=2304,
+    num_hidden_layers=27,
+    rms_norm_eps=1e-5,
+    bos_token_id=163584,
+    eos_token_id=163586,
+    pad_token_id=163839,
     full_attn_layers=tuple(i - 1 for i in (4, 8, 12, 16, 20, 24, 27)),
-    kda_num_heads=32, kda_head_dim=128, kda_conv_size=4, kda_gate_lower_bound=None, kda_full_rank_gate=False,
-    num_attention_heads=32, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-    v_head_dim=128, mla_use_output_gate=False,
-    intermediate_size=9216, first_k_dense_replace=1, num_experts=256, num_experts_per_token=8,
-    num_shared_experts=1, moe_intermediate_size=1024, routed_expert_hidden_size=None, latent_moe_use_norm=False,
-    routed_scaling_factor=2.446, hidden_act="silu", attn_res_block_size=None, quant=None, model_type="kimi_linear",
+    kda_num_heads=32,
+    kda_head_dim=128,
+    kda_conv_size=4,
+    kda_gate_lower_bound=None,
+    kda_full_rank_gate=False,
+    num_attention_heads=32,
+    q_lora_rank=None,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    mla_use_output_gate=False,
+    intermediate_size=9216,
+    first_k_dense_replace=1,
+    num_experts=256,
+    num_experts_per_token=8,
+    num_shared_experts=1,
+    moe_intermediate_size=1024,
+    routed_expert_hidden_size=None,
+    latent_moe_use_norm=False,
+    routed_scaling_factor=2.446,
+    hidden_act="silu",
+    attn_res_block_size=None,
+    quant=None,
+    model_type="kimi_linear",
 )
 
 # Tiny models in the same layout, for tests. Every structural feature of K3 is present: KDA and MLA
 # in the K3 cadence (last two layers MLA), a dense layer 0, latent MoE with MXFP4 experts, several
 # AttnRes blocks (block size 2 so that snapshots are pushed inside a 6-layer model).
 TINY_K3 = KIMI_K3.replace(
-    vocab_size=512, hidden_size=64, num_hidden_layers=6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    vocab_size=512,
+    hidden_size=64,
+    num_hidden_layers=6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
     full_attn_layers=_k3_full_attn(6),
-    kda_num_heads=2, kda_head_dim=16,
-    num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-    intermediate_size=128, num_experts=8, num_experts_per_token=2, num_shared_experts=1,
-    moe_intermediate_size=32, routed_expert_hidden_size=32, attn_res_block_size=2,
+    kda_num_heads=2,
+    kda_head_dim=16,
+    num_attention_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    intermediate_size=128,
+    num_experts=8,
+    num_experts_per_token=2,
+    num_shared_experts=1,
+    moe_intermediate_size=32,
+    routed_expert_hidden_size=32,
+    attn_res_block_size=2,
 )
 
 # A "small" K3 for CPU benchmarks (tools/bench_vs_mlx.py): the same structure, widths where per-op overhead
 # no longer dominates every matmul (~40M parameters).
 SMALL_K3 = KIMI_K3.replace(
-    vocab_size=8192, hidden_size=512, num_hidden_layers=8, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    vocab_size=8192,
+    hidden_size=512,
+    num_hidden_layers=8,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
     full_attn_layers=_k3_full_attn(8),
-    kda_num_heads=4, kda_head_dim=64,
-    num_attention_heads=8, q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
-    intermediate_size=1536, num_experts=32, num_experts_per_token=4, num_shared_experts=1,
-    moe_intermediate_size=256, routed_expert_hidden_size=256, attn_res_block_size=2,
+    kda_num_heads=4,
+    kda_head_dim=64,
+    num_attention_heads=8,
+    q_lora_rank=192,
+    kv_lora_rank=128,
+    qk_nope_head_dim=64,
+    qk_rope_head_dim=32,
+    v_head_dim=64,
+    intermediate_size=1536,
+    num_experts=32,
+    num_experts_per_token=4,
+    num_shared_experts=1,
+    moe_intermediate_size=256,
+    routed_expert_hidden_size=256,
+    attn_res_block_size=2,
 )
 
 TINY_KIMI_LINEAR = KIMI_LINEAR_48B.replace(
-    vocab_size=512, hidden_size=64, num_hidden_layers=4, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    full_attn_layers=(3,), kda_num_heads=2, kda_head_dim=16,
-    num_attention_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-    intermediate_size=128, num_experts=8, num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=32,
+    vocab_size=512,
+    hidden_size=64,
+    num_hidden_layers=4,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    full_attn_layers=(3,),
+    kda_num_heads=2,
+    kda_head_dim=16,
+    num_attention_heads=4,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    intermediate_size=128,
+    num_experts=8,
+    num_experts_per_token=2,
+    num_shared_experts=1,
+    moe_intermediate_size=32,
 )
 
 PRESETS: dict[str, K3Config] = {

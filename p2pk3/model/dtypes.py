@@ -1,5 +1,6 @@
 """The activation / wire dtypes by name: the one map used by the in-process engine (`--dtype`), the
 daemon's stage runner (tensor bytes on the wire) and anything else that turns a dtype name into torch."""
+
 from __future__ import annotations
 
 import torch
@@ -12,7 +13,7 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 
 
 def torch_dtype(name: str | torch.dtype) -> torch.dtype:
-    """"bfloat16" -> torch.bfloat16 (a torch.dtype of the map passes through). Anything else is a
+    """ "bfloat16" -> torch.bfloat16 (a torch.dtype of the map passes through). Anything else is a
     ValueError that names the allowed dtypes."""
     if isinstance(name, torch.dtype):
         if name in TORCH_DTYPES.values():

@@ -21,6 +21,7 @@ caches, weight loading). What flows between stages is a `Hop`: the running prefi
 snapshot bank and, inside a layer whose experts are split over several stages, the partial latent-MoE
 sum (spec 4.3).
 """
+
 from __future__ import annotations
 
 import math
@@ -92,8 +93,9 @@ class ShortConv(nn.Module):
         self.weight = nn.Parameter(torch.zeros(channels, 1, size))
         self.size = size
 
-    def forward(self, x: torch.Tensor, state: torch.Tensor, rows: torch.Tensor,
-                cu_seqlens: list[int] | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, state: torch.Tensor, rows: torch.Tensor, cu_seqlens: list[int] | None = None
+    ) -> torch.Tensor:
         """x [N, C] pre-conv inputs -> SiLU(conv(x)) [N, C] fp32, continuing each sequence's history.
 
         state [S, C, K-1] fp32: the pool of per-session histories (a view is fine), advanced in place.
@@ -125,7 +127,7 @@ class ShortConv(nn.Module):
             row = int(rows[i])
             win = torch.cat([state[row], xf[s:e].T], -1)  # [C, K-1+T]
             out[s:e] = F.conv1d(win.unsqueeze(0), w.unsqueeze(1), groups=w.shape[0])[0].T
-            state[row] = win[:, win.shape[1] - keep:]
+            state[row] = win[:, win.shape[1] - keep :]
         return F.silu(out)
 
 
@@ -167,8 +169,8 @@ class KimiDeltaAttention(nn.Module):
             q, k, v = F.silu((win * w).sum(-1)).to(x.dtype).view(N, 3, H, K).unbind(1)
         else:
             q = self.q_conv1d(xq, hist[:, :C], rows, seqs)
-            k = self.k_conv1d(xk, hist[:, C:2 * C], rows, seqs)
-            v = self.v_conv1d(xv, hist[:, 2 * C:], rows, seqs)
+            k = self.k_conv1d(xk, hist[:, C : 2 * C], rows, seqs)
+            v = self.v_conv1d(xv, hist[:, 2 * C :], rows, seqs)
             q, k, v = (t.to(x.dtype).reshape(N, H, K) for t in (q, k, v))
         a = self.f_b_proj(self.f_a_proj(x)).view(N, H, K)
         b = self.b_proj(x).float()
@@ -177,11 +179,11 @@ class KimiDeltaAttention(nn.Module):
             for i, (s0, c0) in before.items():
                 s, e = cu[i], cu[i + 1]
                 batch.cache.sessions[batch.spans[i].session].ckpt.kda[self.layer_idx] = KdaCheckpoint(
-                    s0, c0, torch.cat([xq[s:e], xk[s:e], xv[s:e]], -1),
-                    tuple(t[s:e].clone() for t in (q, k, v, a, b)))
+                    s0, c0, torch.cat([xq[s:e], xk[s:e], xv[s:e]], -1), tuple(t[s:e].clone() for t in (q, k, v, a, b))
+                )
         A_log = self.A_log[:H]
         args = (A_log, self.dt_bias, state)
-        scale, lb = K ** -0.5, self.cfg.kda_gate_lower_bound
+        scale, lb = K**-0.5, self.cfg.kda_gate_lower_bound
         if batch.decode:
             o = ops.kda_decode(q, k, v, a, b, *args, batch.rows, scale, lb)
         elif batch.parts is not None:  # mixed: decode steps through the decode kernel, the rest varlen
@@ -215,13 +217,25 @@ class KimiDeltaAttention(nn.Module):
             return
         win = torch.cat([ck.conv, ck.pre_conv[:n].float().T], -1)  # [3C, keep + n], as ShortConv builds it
         for part in range(3):
-            w = win[part * C:(part + 1) * C]
-            hist[row, part * C:(part + 1) * C] = w[:, w.shape[1] - keep:]
+            w = win[part * C : (part + 1) * C]
+            hist[row, part * C : (part + 1) * C] = w[:, w.shape[1] - keep :]
         q, k, v, a, b = (t[:n] for t in ck.inputs)
         rows = torch.tensor([row], dtype=torch.long, device=state.device)
         cu = torch.tensor([0, n], dtype=torch.int32, device=state.device)
-        ops.kda_prefill(q, k, v, a, b, self.A_log[:self.H], self.dt_bias, state, cu, rows, self.K ** -0.5,
-                        self.cfg.kda_gate_lower_bound)
+        ops.kda_prefill(
+            q,
+            k,
+            v,
+            a,
+            b,
+            self.A_log[: self.H],
+            self.dt_bias,
+            state,
+            cu,
+            rows,
+            self.K**-0.5,
+            self.cfg.kda_gate_lower_bound,
+        )
 
 
 # ----------------------------------------------------------------------------------- gated MLA (spec 3)
@@ -230,8 +244,10 @@ MLA_MODES = ("auto", "naive", "absorbed")
 
 def check_mla_mode(mode: str) -> str:
     if mode not in MLA_MODES:
-        raise ValueError(f"MLA mode {mode!r}: expected one of {MLA_MODES} ('auto': the absorbed form for "
-                         f"all-decode batches and the naive form otherwise; 'naive' / 'absorbed' force one)")
+        raise ValueError(
+            f"MLA mode {mode!r}: expected one of {MLA_MODES} ('auto': the absorbed form for "
+            f"all-decode batches and the naive form otherwise; 'naive' / 'absorbed' force one)"
+        )
     return mode
 
 
@@ -263,7 +279,7 @@ class GatedMLA(nn.Module):
     def _wkv(self):
         c = self.cfg
         w = self.kv_b_proj.weight.view(self.H, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
-        return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim:]  # W_UK [H,dn,R], W_UV [H,dv,R]
+        return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :]  # W_UK [H,dn,R], W_UV [H,dv,R]
 
     def forward(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         c = self.cfg
@@ -278,7 +294,7 @@ class GatedMLA(nn.Module):
         rows = batch.memo("token_rows", lambda: batch.cache.token_rows(batch.spans, batch.device))
         flat[rows] = latent.to(pool.dtype)
         w_uk, w_uv = self._wkv()
-        scale = c.q_head_dim ** -0.5
+        scale = c.q_head_dim**-0.5
         if self.mode == "absorbed" or (self.mode == "auto" and batch.decode):
             o = self._absorbed(q_nope, q_pe, w_uk, w_uv, pool, batch, scale)
         elif self.mode == "auto" and batch.parts is not None:  # mixed: each group on its own fast path
@@ -310,8 +326,10 @@ class GatedMLA(nn.Module):
             ckv, k_pe = kv[:, :R], kv[:, R:]
             k_nope = torch.einsum("lr,hdr->hld", ckv, w_uk)  # [H, L, dn]
             v = torch.einsum("lr,hdr->hld", ckv, w_uv)  # [H, L, dv]
-            sc = (torch.einsum("thd,hld->htl", q_nope[s:e], k_nope).float()
-                  + torch.einsum("thd,ld->htl", q_pe[s:e], k_pe).float()) * scale
+            sc = (
+                torch.einsum("thd,hld->htl", q_nope[s:e], k_nope).float()
+                + torch.einsum("thd,ld->htl", q_pe[s:e], k_pe).float()
+            ) * scale
             pos_q = torch.arange(sp.start, L, device=sc.device)
             mask = torch.arange(L, device=sc.device)[None, :] > pos_q[:, None]
             p = torch.softmax(sc.masked_fill(mask, -float("inf")), -1)
@@ -323,7 +341,9 @@ class GatedMLA(nn.Module):
         q_lat = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)  # [N, H, R]
         if batch.decode:
             bt = batch.memo("bt", lambda: batch.cache.block_table(batch.spans, batch.device))
-            lens = batch.memo("lens", lambda: torch.tensor([s.start + 1 for s in batch.spans], dtype=torch.int32, device=batch.device))
+            lens = batch.memo(
+                "lens", lambda: torch.tensor([s.start + 1 for s in batch.spans], dtype=torch.int32, device=batch.device)
+            )
             z = ops.mla_decode(q_lat, q_pe, pool, bt, lens, scale)
         else:  # absorbed prefill (tests): each token attends to its causal prefix
             z = torch.empty(q_lat.shape, dtype=torch.float32, device=q_lat.device)
@@ -331,8 +351,14 @@ class GatedMLA(nn.Module):
             for i, sp in enumerate(batch.spans):
                 for t in range(sp.length):
                     n = batch.cu_seqlens[i] + t
-                    z[n] = ops.mla_decode(q_lat[n:n + 1], q_pe[n:n + 1], pool, bt_all[i:i + 1],
-                                          torch.tensor([sp.start + t + 1], dtype=torch.int32), scale)[0]
+                    z[n] = ops.mla_decode(
+                        q_lat[n : n + 1],
+                        q_pe[n : n + 1],
+                        pool,
+                        bt_all[i : i + 1],
+                        torch.tensor([sp.start + t + 1], dtype=torch.int32),
+                        scale,
+                    )[0]
         return torch.einsum("nhr,hdr->nhd", z.to(q_nope.dtype), w_uv)
 
 
@@ -342,7 +368,11 @@ class Router(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts))
-        self.top_k, self.renorm, self.scaling = cfg.num_experts_per_token, cfg.moe_renormalize, cfg.routed_scaling_factor
+        self.top_k, self.renorm, self.scaling = (
+            cfg.num_experts_per_token,
+            cfg.moe_renormalize,
+            cfg.routed_scaling_factor,
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 sigmoid scores; choose by score + bias (noaux_tc), weigh by the unbiased score (spec 5.1)."""
@@ -367,8 +397,14 @@ class LatentMoE(nn.Module):
     # p2pk3.quant.convert.apply_formats at load), or on the class.
     mxfp8_activations = False
 
-    def __init__(self, cfg: K3Config, layer_idx: int, held: list[int] | None = None, covered: list[int] | None = None,
-                 finish: bool = True):
+    def __init__(
+        self,
+        cfg: K3Config,
+        layer_idx: int,
+        held: list[int] | None = None,
+        covered: list[int] | None = None,
+        finish: bool = True,
+    ):
         super().__init__()
         self.cfg, self.layer_idx = cfg, layer_idx
         E, W, I = cfg.num_experts, cfg.expert_width, cfg.moe_intermediate_size
@@ -426,6 +462,7 @@ class LatentMoE(nn.Module):
         values). A CPU option (`load_stage(..., dequant_experts=True)`); the Triton kernels read the packed
         bytes themselves and need no such copy."""
         from p2pk3_kernels.mxfp4_moe_ref import dequant_mxfp4
+
         if self.cfg.quant is None or self.dequantized:
             return
         for w in ("w1", "w2", "w3"):
@@ -452,8 +489,10 @@ class LatentMoE(nn.Module):
         bad = ~self.covered[ids]
         if bad.any():
             missing = sorted(set(ids[bad].tolist()))
-            raise ExpertNotHeld(f"layer {self.layer_idx}: tokens routed to experts {missing} that this stage "
-                                f"does not hold (holds {len(self.held)} of {self.cfg.num_experts})")
+            raise ExpertNotHeld(
+                f"layer {self.layer_idx}: tokens routed to experts {missing} that this stage "
+                f"does not hold (holds {len(self.held)} of {self.cfg.num_experts})"
+            )
         return ids, w
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
@@ -464,20 +503,53 @@ class LatentMoE(nn.Module):
         z = self.routed_expert_down_proj(x) if c.routed_expert_hidden_size else x
         if self.mxfp8_activations:
             from p2pk3.quant.mxfp4 import mxfp8_e4m3_fake_quant
+
             z = mxfp8_e4m3_fake_quant(z)
         if self.master:
             from p2pk3.quant.qat import fake_quant_mxfp4_ste
+
             fq = fake_quant_mxfp4_ste if c.quant is not None else (lambda t: t)
-            return ops.dense_moe(z, fq(self.w1_master), fq(self.w3_master), fq(self.w2_master), local, w,
-                                 c.hidden_act, c.situ_beta, c.situ_linear_beta)
+            return ops.dense_moe(
+                z,
+                fq(self.w1_master),
+                fq(self.w3_master),
+                fq(self.w2_master),
+                local,
+                w,
+                c.hidden_act,
+                c.situ_beta,
+                c.situ_linear_beta,
+            )
         if self.dequantized:
-            return ops.dequantized_moe(z, self.w1_weight, self.w3_weight, self.w2_weight, local, w, c.hidden_act,
-                                       c.situ_beta, c.situ_linear_beta)
+            return ops.dequantized_moe(
+                z,
+                self.w1_weight,
+                self.w3_weight,
+                self.w2_weight,
+                local,
+                w,
+                c.hidden_act,
+                c.situ_beta,
+                c.situ_linear_beta,
+            )
         if c.quant is not None:
-            return ops.mxfp4_moe(z, self.w1_packed, self.w1_scale, self.w3_packed, self.w3_scale, self.w2_packed,
-                                 self.w2_scale, local, w, c.hidden_act, c.situ_beta, c.situ_linear_beta)
-        return ops.dense_moe(z, self.w1_weight, self.w3_weight, self.w2_weight, local, w, c.hidden_act,
-                             c.situ_beta, c.situ_linear_beta)
+            return ops.mxfp4_moe(
+                z,
+                self.w1_packed,
+                self.w1_scale,
+                self.w3_packed,
+                self.w3_scale,
+                self.w2_packed,
+                self.w2_scale,
+                local,
+                w,
+                c.hidden_act,
+                c.situ_beta,
+                c.situ_linear_beta,
+            )
+        return ops.dense_moe(
+            z, self.w1_weight, self.w3_weight, self.w2_weight, local, w, c.hidden_act, c.situ_beta, c.situ_linear_beta
+        )
 
     def finish(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         c = self.cfg
@@ -538,9 +610,16 @@ class Hop:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: K3Config, i: int, parts: tuple[str, ...] = ("attn", "mlp"),
-                 experts: list[int] | None = None, covered: list[int] | None = None, mla_mode: str = "auto",
-                 finish: bool = True):
+    def __init__(
+        self,
+        cfg: K3Config,
+        i: int,
+        parts: tuple[str, ...] = ("attn", "mlp"),
+        experts: list[int] | None = None,
+        covered: list[int] | None = None,
+        mla_mode: str = "auto",
+        finish: bool = True,
+    ):
         super().__init__()
         self.cfg, self.layer_idx, self.parts = cfg, i, parts
         if "attn" in parts:

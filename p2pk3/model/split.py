@@ -1,5 +1,6 @@
 """How `n` pipeline stages share `n_layers` whole layers: the one definition used by the in-process
 pipeline (`score --stages`), the topology builders (`topology init`, `local --nodes`) and the planner."""
+
 from __future__ import annotations
 
 

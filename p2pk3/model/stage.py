@@ -5,6 +5,7 @@ wires its caches, runs a batch from tokens or an incoming `Hop` to the next `Hop
 speculative verify pass back, and loads checkpoint-named weights; `build_stage` builds one on a device
 without materialising random weights first. The parallel split is applied from here; the model file
 knows only layers."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -15,8 +16,17 @@ import torch.nn as nn
 from .batch import Batch
 from .cache import Span, StageCache
 from .config import K3Config
-from .kimi_k3 import (AttnResMix, DecoderLayer, GatedMLA, Hop, LatentMoE, RMSNorm, check_mla_mode,
-                      checkpoint_to_module, linear)
+from .kimi_k3 import (
+    AttnResMix,
+    DecoderLayer,
+    GatedMLA,
+    Hop,
+    LatentMoE,
+    RMSNorm,
+    check_mla_mode,
+    checkpoint_to_module,
+    linear,
+)
 from .split import even_layer_ranges
 
 
@@ -65,11 +75,20 @@ class K3Stage(nn.Module):
         self.model = nn.Module()
         if plan.embed:
             self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.model.layers = nn.ModuleDict({
-            str(i): DecoderLayer(cfg, i, plan.parts_of(i), plan.experts.get(i), plan.covered.get(i), mla_mode,
-                                 plan.finish.get(i, True))
-            for i in plan.layers
-        })
+        self.model.layers = nn.ModuleDict(
+            {
+                str(i): DecoderLayer(
+                    cfg,
+                    i,
+                    plan.parts_of(i),
+                    plan.experts.get(i),
+                    plan.covered.get(i),
+                    mla_mode,
+                    plan.finish.get(i, True),
+                )
+                for i in plan.layers
+            }
+        )
         if plan.head:
             self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             if cfg.uses_attn_res:
@@ -82,10 +101,20 @@ class K3Stage(nn.Module):
         c = self.cfg
         kda = [i for i in self.plan.layers if "attn" in self.plan.parts_of(i) and c.layer_types[i] == "kda"]
         mla = [i for i in self.plan.layers if "attn" in self.plan.parts_of(i) and c.layer_types[i] == "mla"]
-        return StageCache(kda_layers=kda, mla_layers=mla, kda_heads=c.kda_num_heads, kda_head_dim=c.kda_head_dim,
-                          conv_channels=3 * c.kda_num_heads * c.kda_head_dim, conv_size=c.kda_conv_size,
-                          mla_width=c.mla_cache_width, max_sessions=max_sessions, max_tokens=max_tokens,
-                          block_size=block_size, dtype=self.act_dtype, device=device or self.device)
+        return StageCache(
+            kda_layers=kda,
+            mla_layers=mla,
+            kda_heads=c.kda_num_heads,
+            kda_head_dim=c.kda_head_dim,
+            conv_channels=3 * c.kda_num_heads * c.kda_head_dim,
+            conv_size=c.kda_conv_size,
+            mla_width=c.mla_cache_width,
+            max_sessions=max_sessions,
+            max_tokens=max_tokens,
+            block_size=block_size,
+            dtype=self.act_dtype,
+            device=device or self.device,
+        )
 
     act_dtype: torch.dtype = torch.float32  # set by load_weights
 
@@ -101,8 +130,15 @@ class K3Stage(nn.Module):
         return next(self.parameters()).device
 
     # ---------------------------------------------------------------- run
-    def forward(self, spans: list[Span], cache: StageCache, *, tokens: torch.Tensor | None = None,
-                hop: Hop | None = None, logits: str = "last") -> Hop | torch.Tensor:
+    def forward(
+        self,
+        spans: list[Span],
+        cache: StageCache,
+        *,
+        tokens: torch.Tensor | None = None,
+        hop: Hop | None = None,
+        logits: str = "last",
+    ) -> Hop | torch.Tensor:
         """Run a packed batch. First stage: `tokens` [N]; others: `hop`. Last stage returns logits
         (fp32; "last": one row per span, "all": one per token, "none": the final hidden state),
         others the Hop for the next stage. The cache is updated only if the whole batch succeeds
@@ -129,6 +165,7 @@ class K3Stage(nn.Module):
         """Run decode batches through the compiled step (`p2pk3.model.compiled`); None: the device's default
         (`default_compile`). Returns whether it is on."""
         from .compiled import CompiledDecode, default_compile
+
         on = default_compile(self.device) if enabled is None else enabled
         self.decode_graph = CompiledDecode(self, self._step, cuda_graphs) if on else None
         return on
@@ -179,6 +216,7 @@ class K3Stage(nn.Module):
     # ---------------------------------------------------------------- weights
     def expected_tensors(self) -> dict:
         from .weights import embed_tensors, head_tensors, layer_tensors, mlp_tensors
+
         t = embed_tensors(self.cfg) if self.plan.embed else {}
         for i in self.plan.layers:
             if "attn" in self.plan.parts_of(i):
@@ -217,7 +255,7 @@ class K3Stage(nn.Module):
                 continue
             for pre, (moe, names) in moe_maps.items():
                 if name.startswith(pre + "experts."):
-                    buf, li, kind = names[name[len(pre):]]
+                    buf, li, kind = names[name[len(pre) :]]
                     target = getattr(moe, buf)
                     with torch.no_grad():
                         target[li].copy_(t if kind != "weight" else t.to(target.dtype))
@@ -231,8 +269,14 @@ class K3Stage(nn.Module):
                     setattr(moe, f"{w}_weight", getattr(moe, f"{w}_weight").to(dtype))
 
 
-def build_stage(cfg: K3Config, plan: StagePlan, state: dict[str, torch.Tensor], dtype=torch.float32,
-                device="cpu", mla_mode: str = "auto") -> K3Stage:
+def build_stage(
+    cfg: K3Config,
+    plan: StagePlan,
+    state: dict[str, torch.Tensor],
+    dtype=torch.float32,
+    device="cpu",
+    mla_mode: str = "auto",
+) -> K3Stage:
     with torch.device("meta"):
         stage = K3Stage(cfg, plan, mla_mode)
     stage = stage.to_empty(device=device)

@@ -5,6 +5,7 @@ multimodal wrapper's `language_model.` prefix (the loader strips and the tiny-ch
 `K3Stage.load_weights` takes exactly these names; module paths equal them except the AttnRes pairs
 (`...mlp_res_norm.weight` is the module `...mlp_res.norm.weight`, see kimi_k3.checkpoint_to_module).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,11 +37,13 @@ class TensorSpec:
     def dtype(self):
         """The stored dtype as a torch.dtype."""
         import torch
+
         return getattr(torch, NAMES[self.stored])
 
 
-def layer_tensors(cfg: K3Config, i: int, experts: Iterable[int] | None = None,
-                  parts: tuple[str, ...] = ("attn", "mlp")) -> dict[str, TensorSpec]:
+def layer_tensors(
+    cfg: K3Config, i: int, experts: Iterable[int] | None = None, parts: tuple[str, ...] = ("attn", "mlp")
+) -> dict[str, TensorSpec]:
     """Tensors of decoder layer `i`. `experts`: routed experts to include (None = all).
     `parts`: which halves ("attn": everything up to the attention output, "mlp": the MLP/MoE half);
     a layer split over several ring slots needs the attention half on one slot only."""
@@ -80,7 +83,9 @@ def layer_tensors(cfg: K3Config, i: int, experts: Iterable[int] | None = None,
                 t[a + "q_proj.weight"] = TensorSpec((H * cfg.q_head_dim, D), BF16)
             t[a + "kv_a_proj_with_mqa.weight"] = TensorSpec((cfg.mla_cache_width, D), BF16)
             t[a + "kv_a_layernorm.weight"] = TensorSpec((cfg.kv_lora_rank,), BF16)
-            t[a + "kv_b_proj.weight"] = TensorSpec((H * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank), BF16)
+            t[a + "kv_b_proj.weight"] = TensorSpec(
+                (H * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank), BF16
+            )
             if cfg.mla_use_output_gate:
                 t[a + "g_proj.weight"] = TensorSpec((H * cfg.v_head_dim, D), BF16)
             t[a + "o_proj.weight"] = TensorSpec((D, H * cfg.v_head_dim), BF16)
@@ -109,7 +114,7 @@ def layer_tensors(cfg: K3Config, i: int, experts: Iterable[int] | None = None,
                 t[m + "shared_experts.gate_proj.weight"] = TensorSpec((S, D), BF16)
                 t[m + "shared_experts.up_proj.weight"] = TensorSpec((S, D), BF16)
                 t[m + "shared_experts.down_proj.weight"] = TensorSpec((D, S), BF16)
-            for e in (range(E) if experts is None else experts):
+            for e in range(E) if experts is None else experts:
                 for w, (o, n) in (("w1", (I, W)), ("w3", (I, W)), ("w2", (W, I))):
                     q = m + f"experts.{e}.{w}."
                     if cfg.quant is not None:
@@ -144,8 +149,9 @@ def all_tensors(cfg: K3Config) -> dict[str, TensorSpec]:
     return t
 
 
-def mlp_tensors(cfg: K3Config, i: int, experts: Iterable[int] | None = None, *,
-                finish: bool = True) -> dict[str, TensorSpec]:
+def mlp_tensors(
+    cfg: K3Config, i: int, experts: Iterable[int] | None = None, *, finish: bool = True
+) -> dict[str, TensorSpec]:
     """The MLP half of layer `i` as one ring slot holds it. `experts`: routed experts (None = all).
     `finish`: the slot finishes the layer; when a MoE layer is split by experts over several slots, only
     the finishing one holds the shared experts and the latent up-projection (the others hold the norms,

@@ -1,5 +1,6 @@
 """A daemon taking its slot: check the cluster secret against the reachable peers, then run the claim
 protocol (node/claims.py) with every discovered node and every other slot's address."""
+
 from __future__ import annotations
 
 import asyncio
@@ -50,17 +51,22 @@ async def claim_slot(d, slot_id: str, replaces: tuple[str, int] | None = None) -
         except Exception:
             pass
 
-    claim = await negotiate_claim(d.claims, slot_id, list(addrs), ask, timeout=2.0, notify=notify,
-                                       replaces=replaces)
+    claim = await negotiate_claim(d.claims, slot_id, list(addrs), ask, timeout=2.0, notify=notify, replaces=replaces)
     if d.discovery is not None:
-        d.discovery.update(slot=slot_id, epoch=claim.epoch, since=claim.since, standby=False
-                              if not d.topo.slot(slot_id).standby else True)
+        d.discovery.update(
+            slot=slot_id,
+            epoch=claim.epoch,
+            since=claim.since,
+            standby=False if not d.topo.slot(slot_id).standby else True,
+        )
     log.info("claimed slot %s (epoch %d)", slot_id, claim.epoch)
     return claim
+
 
 async def check_secret(d, addrs: dict[str, tuple[str, int]]) -> None:
     """Refuse to claim a slot when every peer we reach refuses our proof: our secret is wrong (a node
     alone by design — no other reachable peer — may go on)."""
+
     async def one(a):
         try:
             c = await open_connection(*a, d.secret, d.node_id, timeout=1.0, handshake_timeout=1.0)
@@ -74,5 +80,7 @@ async def check_secret(d, addrs: dict[str, tuple[str, int]]) -> None:
     res = await asyncio.gather(*(one(a) for a in addrs.values()))
     refused = [r for r in res if isinstance(r, AuthenticationError)]
     if refused and "ok" not in res:
-        raise WrongSecret(f"every peer reached ({len(refused)}) refused this node's proof: the cluster secret "
-                          f"({d.topo.cluster.secret_file}) differs from theirs ({refused[0]})")
+        raise WrongSecret(
+            f"every peer reached ({len(refused)}) refused this node's proof: the cluster secret "
+            f"({d.topo.cluster.secret_file}) differs from theirs ({refused[0]})"
+        )

@@ -20,6 +20,7 @@ Model (docs/topology.md, "Slot claims"):
   peer refused and its own pending claim was not beaten meanwhile; then it announces the claim (commit
   message + beacons). Two racing claimants ask each other, so exactly one of them wins.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -30,8 +31,14 @@ from datetime import datetime, timezone
 from typing import Awaitable, Callable, Iterable, Mapping
 
 from p2pk3.transport.codec import Frame, ProtocolError
-from p2pk3.transport.messages import (ClaimHolder, ClaimMessage, ClaimResult, claim_frame, claim_result_frame,
-                                      parse_claim_result)
+from p2pk3.transport.messages import (
+    ClaimHolder,
+    ClaimMessage,
+    ClaimResult,
+    claim_frame,
+    claim_result_frame,
+    parse_claim_result,
+)
 
 log = logging.getLogger("p2pk3.claims")
 
@@ -83,9 +90,15 @@ class Decision:
 class ClaimTable:
     """The claim state machine one daemon runs. Pure (no I/O); `clock` is injectable for tests."""
 
-    def __init__(self, node_id: str, *, lease_s: float = 10.0, promise_s: float = 5.0,
-                 clock: Callable[[], float] = time.time,
-                 on_lost: Callable[[Claim, Claim], None] | None = None):
+    def __init__(
+        self,
+        node_id: str,
+        *,
+        lease_s: float = 10.0,
+        promise_s: float = 5.0,
+        clock: Callable[[], float] = time.time,
+        on_lost: Callable[[Claim, Claim], None] | None = None,
+    ):
         self.node_id = node_id
         self.lease_s = lease_s
         self.promise_s = promise_s
@@ -187,21 +200,30 @@ class ClaimTable:
             return Decision(False, f"slot {slot} is held by {h.describe()}", replace(h), top, "held", True)
         if r is not None and not (h is not None and h.node == node and h.epoch == epoch) and epoch <= r.epoch:
             if r.node != node:
-                why = (f"slot {slot} was handed over to node {r.node} at epoch {r.epoch}; "
-                       f"a claim at epoch {epoch} is stale")
+                why = (
+                    f"slot {slot} was handed over to node {r.node} at epoch {r.epoch}; "
+                    f"a claim at epoch {epoch} is stale"
+                )
             else:
                 why = f"claim epoch {epoch} for slot {slot} is stale (the slot is at epoch {r.epoch})"
             return Decision(False, why, replace(r), top, "stale", False)
         if slot in self._pending and node != me:
             pe = self._pending[slot]
             if _beats(pe, me, epoch, node):
-                return Decision(False, f"node {me} is claiming slot {slot} at epoch {pe}, which wins over "
-                                       f"node {node}'s claim at epoch {epoch}", None, max(top, pe), "competing")
+                return Decision(
+                    False,
+                    f"node {me} is claiming slot {slot} at epoch {pe}, which wins over "
+                    f"node {node}'s claim at epoch {epoch}",
+                    None,
+                    max(top, pe),
+                    "competing",
+                )
             self._pending_lost[slot] = f"node {node} claimed slot {slot} at epoch {epoch}, which wins over ours ({pe})"
         p = self._promises.get(slot)
         if p is not None and p[2] > now and p[1] != node and not _beats(epoch, node, p[0], p[1]):
-            return Decision(False, f"slot {slot} is being claimed by node {p[1]} (epoch {p[0]})", None,
-                            max(top, p[0]), "competing")
+            return Decision(
+                False, f"slot {slot} is being claimed by node {p[1]} (epoch {p[0]})", None, max(top, p[0]), "competing"
+            )
         if node != me:
             self._promises[slot] = (epoch, node, now + self.promise_s)
         return Decision(True, "granted", replace(h) if h else None, max(top, epoch), "granted", h is not None)
@@ -315,10 +337,17 @@ Ask = Callable[[str, Frame], Awaitable[Frame | None]]
 _REFUSAL_RANK = {"held": 0, "competing": 1, "forbidden": 2, "stale": 3}  # the most telling refusal is reported
 
 
-async def negotiate_claim(table: ClaimTable, slot: str, peers: Iterable[str], ask: Ask, *,
-                          timeout: float = 2.0, retries: int = 1,
-                          notify: Callable[[str, Frame], Awaitable[None]] | None = None,
-                          replaces: tuple[str, int] | None = None) -> Claim:
+async def negotiate_claim(
+    table: ClaimTable,
+    slot: str,
+    peers: Iterable[str],
+    ask: Ask,
+    *,
+    timeout: float = 2.0,
+    retries: int = 1,
+    notify: Callable[[str, Frame], Awaitable[None]] | None = None,
+    replaces: tuple[str, int] | None = None,
+) -> Claim:
     """Take `slot`: ask every peer (by id; `ask(peer, frame)` returns its claim_result frame, or None /
     raises when unreachable: an unreachable peer cannot object) and commit if nobody refused.
     Raises ClaimRefused with the reason (e.g. "slot s2 is held by node X (epoch 3) since ...")."""
@@ -374,15 +403,17 @@ async def negotiate_claim(table: ClaimTable, slot: str, peers: Iterable[str], as
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def connection_asker(addresses: Mapping[str, tuple[str, int]], secret: bytes, node_id: str,
-                     *, connect_timeout: float = 2.0) -> Ask:
+def connection_asker(
+    addresses: Mapping[str, tuple[str, int]], secret: bytes, node_id: str, *, connect_timeout: float = 2.0
+) -> Ask:
     """An `ask` for negotiate_claim that opens an authenticated connection per request."""
     from p2pk3.transport.connection import open_connection
 
     async def ask(peer: str, frame: Frame) -> Frame | None:
         host, port = addresses[peer]
-        conn = await open_connection(host, port, secret, node_id, timeout=connect_timeout,
-                                     handshake_timeout=connect_timeout, expect_peer=peer)
+        conn = await open_connection(
+            host, port, secret, node_id, timeout=connect_timeout, handshake_timeout=connect_timeout, expect_peer=peer
+        )
         try:
             await conn.send(frame)
             if frame.header.get("op", "request") != "request":
@@ -394,5 +425,13 @@ def connection_asker(addresses: Mapping[str, tuple[str, int]], secret: bytes, no
     return ask
 
 
-__all__ = ["Claim", "ClaimTable", "ClaimRefused", "Decision", "handle_claim", "negotiate_claim", "connection_asker",
-           "fmt_time"]
+__all__ = [
+    "Claim",
+    "ClaimTable",
+    "ClaimRefused",
+    "Decision",
+    "handle_claim",
+    "negotiate_claim",
+    "connection_asker",
+    "fmt_time",
+]

@@ -13,6 +13,7 @@ draws the seed itself so that a resumed request keeps it). Without fallbacks a l
 clean `RequestError("connection_lost", ...)`. Failures inside the ring never reach the client: the
 entry replays the sessions, and the client sees a pause.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,8 +27,15 @@ import numpy as np
 from p2pk3.params import SamplingParams
 from p2pk3.transport.codec import ProtocolError
 from p2pk3.transport.connection import AuthenticationError, ConnectionClosed, TransportError, open_connection
-from p2pk3.transport.messages import (GenerateRequest, cancel_frame, parse_done, parse_error, parse_status,
-                                      parse_token, status_frame)
+from p2pk3.transport.messages import (
+    GenerateRequest,
+    cancel_frame,
+    parse_done,
+    parse_error,
+    parse_status,
+    parse_token,
+    status_frame,
+)
 
 LOST = (ConnectionClosed, TransportError, ConnectionError, OSError, asyncio.TimeoutError, ProtocolError)
 
@@ -69,8 +77,15 @@ class Reply:
 
 
 class Client:
-    def __init__(self, conn, *, secret: bytes | None = None, node_id: str = "client",
-                 fallbacks: Iterable[tuple[str, int]] = (), resume_timeout_s: float = 60.0):
+    def __init__(
+        self,
+        conn,
+        *,
+        secret: bytes | None = None,
+        node_id: str = "client",
+        fallbacks: Iterable[tuple[str, int]] = (),
+        resume_timeout_s: float = 60.0,
+    ):
         self.conn = conn
         self.secret, self.node_id = secret, node_id
         self.fallbacks = list(fallbacks)
@@ -78,16 +93,36 @@ class Client:
         self._rid = 0
 
     @classmethod
-    async def connect(cls, host: str, port: int, secret: bytes, node_id: str = "client", *,
-                      fallbacks: Iterable[tuple[str, int]] = (), timeout: float = 10.0,
-                      resume_timeout_s: float = 60.0) -> "Client":
+    async def connect(
+        cls,
+        host: str,
+        port: int,
+        secret: bytes,
+        node_id: str = "client",
+        *,
+        fallbacks: Iterable[tuple[str, int]] = (),
+        timeout: float = 10.0,
+        resume_timeout_s: float = 60.0,
+    ) -> "Client":
         conn = await open_connection(host, port, secret, node_id, timeout=timeout)
-        return cls(conn, secret=secret, node_id=node_id, fallbacks=[(host, port), *fallbacks],
-                   resume_timeout_s=resume_timeout_s)
+        return cls(
+            conn,
+            secret=secret,
+            node_id=node_id,
+            fallbacks=[(host, port), *fallbacks],
+            resume_timeout_s=resume_timeout_s,
+        )
 
     @classmethod
-    async def for_topology(cls, topo, secret: bytes | None = None, node_id: str = "client", *,
-                           timeout: float = 10.0, resume_timeout_s: float = 60.0) -> "Client":
+    async def for_topology(
+        cls,
+        topo,
+        secret: bytes | None = None,
+        node_id: str = "client",
+        *,
+        timeout: float = 10.0,
+        resume_timeout_s: float = 60.0,
+    ) -> "Client":
         """Connect to whichever node holds the entry role now (asking the topology's addresses). When every
         address refuses the connection or the secret, that is said at once (RequestError "unreachable"),
         naming each address and why; only a ring that answers without an entry is waited for."""
@@ -148,9 +183,16 @@ class Client:
                 raise RequestError("connection_lost", f"no node holds the entry role (last: {last})")
             await asyncio.sleep(0.25)
 
-    async def generate(self, prompt: list[int], params: SamplingParams | None = None, *, logits: bool = False,
-                       incremental: bool = False, on_token: Callable[[int], None] | None = None,
-                       resume: bool | None = None) -> Reply:
+    async def generate(
+        self,
+        prompt: list[int],
+        params: SamplingParams | None = None,
+        *,
+        logits: bool = False,
+        incremental: bool = False,
+        on_token: Callable[[int], None] | None = None,
+        resume: bool | None = None,
+    ) -> Reply:
         """One request; returns when it is done. Cancelling the awaiting task cancels the request in the
         ring (its caches are freed). `resume` (default: when the client knows fallback addresses): carry
         an interrupted request over to a new entry."""
@@ -164,7 +206,7 @@ class Client:
             p = replace(params, max_tokens=params.max_tokens - len(streamed))
             try:
                 r = await self._one(list(prompt) + streamed, p, logits, incremental, streamed, on_token)
-                r.tokens = streamed[:len(streamed) - len(r.streamed)] + r.tokens
+                r.tokens = streamed[: len(streamed) - len(r.streamed)] + r.tokens
                 r.streamed, r.resumed = streamed, moves
                 return r
             except LOST as e:

@@ -14,6 +14,7 @@ Just over 500 lines, one module because it is the one place that wires those par
 lifecycle (start, take over, stop), the handler table and the outbound paths share the daemon's state;
 each part gets from it only what it needs (e.g. the failover Coordinator gets callbacks, not the daemon).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,9 +33,23 @@ from p2pk3.topology import Topology
 from p2pk3.topology.sizing import loaded_weight_bytes
 from p2pk3.transport.codec import Frame, ProtocolError
 from p2pk3.transport.connection import ConnectionClosed, TransportError, open_connection
-from p2pk3.transport.messages import (ErrorCode, Result, Route, error_frame, free_frame, parse_claim, parse_free,
-                                      parse_result, parse_retain, parse_route, parse_takeover, pong_frame, result_frame,
-                                      route_frame, status_frame)
+from p2pk3.transport.messages import (
+    ErrorCode,
+    Result,
+    Route,
+    error_frame,
+    free_frame,
+    parse_claim,
+    parse_free,
+    parse_result,
+    parse_retain,
+    parse_route,
+    parse_takeover,
+    pong_frame,
+    result_frame,
+    route_frame,
+    status_frame,
+)
 from p2pk3.transport.server import serve
 
 from .claiming import claim_slot
@@ -49,15 +64,25 @@ from .options import NodeOptions
 from .routes import RouteTable
 from .serving import ClientRequests, ClientService
 from .takeover import fetch_lacking_files
-from .stage_runner import HeadOut, HopOut, StageRunner, hop_frame, model_plan, torch_tensor, wire_tensor, work_from_forward
+from .stage_runner import (
+    HeadOut,
+    HopOut,
+    StageRunner,
+    hop_frame,
+    model_plan,
+    torch_tensor,
+    wire_tensor,
+    work_from_forward,
+)
 from .worker import Free, Retain, StageWorker
 
 log = logging.getLogger("p2pk3.node")
 
 
 class NodeDaemon:
-    def __init__(self, topo: Topology, slot: str, *, model_dir: str | Path, secret: bytes,
-                 options: NodeOptions | None = None):
+    def __init__(
+        self, topo: Topology, slot: str, *, model_dir: str | Path, secret: bytes, options: NodeOptions | None = None
+    ):
         self.topo, self.slot_id = topo, slot
         topo.slot(slot)  # KeyError for an unknown slot
         self.model_dir = Path(model_dir)
@@ -76,10 +101,22 @@ class NodeDaemon:
         self.monitor: Monitor | None = None
         self.coordinator: Coordinator | None = None
         self.routes = RouteTable(topo.static_addresses())
-        self.successor = PeerLink("ring successor", self._successor_addr, secret, self.node_id,
-                                  dial_deadline_s=o.dial_deadline_s, send_timeout_s=o.send_timeout_s)
-        self.to_entry = PeerLink("entry", lambda: self.routes.address(self.topo.active[0].id), secret, self.node_id,
-                                 dial_deadline_s=o.dial_deadline_s, send_timeout_s=o.send_timeout_s)
+        self.successor = PeerLink(
+            "ring successor",
+            self._successor_addr,
+            secret,
+            self.node_id,
+            dial_deadline_s=o.dial_deadline_s,
+            send_timeout_s=o.send_timeout_s,
+        )
+        self.to_entry = PeerLink(
+            "entry",
+            lambda: self.routes.address(self.topo.active[0].id),
+            secret,
+            self.node_id,
+            dial_deadline_s=o.dial_deadline_s,
+            send_timeout_s=o.send_timeout_s,
+        )
         self.routes.listeners.append(self._on_route)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="stage")
         self.server = None
@@ -92,10 +129,19 @@ class NodeDaemon:
         self._taking: asyncio.Task | None = None
         self._file_server = None  # deploy.peers.FileServer, made on the first file request
         self._handlers = {
-            "forward": self._on_forward, "result": self._on_result, "free": self._on_free, "ping": self._on_ping,
-            "status": self._on_status, "claim": self._on_claim, "generate": self._on_generate,
-            "cancel": self._on_cancel, "route": self._on_route_frame, "takeover": self._on_takeover,
-            "retain": self._on_retain, "file_list": self._on_file_list, "file_get": self._on_file_get,
+            "forward": self._on_forward,
+            "result": self._on_result,
+            "free": self._on_free,
+            "ping": self._on_ping,
+            "status": self._on_status,
+            "claim": self._on_claim,
+            "generate": self._on_generate,
+            "cancel": self._on_cancel,
+            "route": self._on_route_frame,
+            "takeover": self._on_takeover,
+            "retain": self._on_retain,
+            "file_list": self._on_file_list,
+            "file_get": self._on_file_get,
         }
 
     @property
@@ -136,23 +182,58 @@ class NodeDaemon:
         self.plan = self.topo.slot_plan(self.topo.slot(slot_id), self.cfg)
         plan = model_plan(self.plan, self.cfg)
         from p2pk3.deploy.integrity import check_slot  # the shards against the manifest (IntegrityError stops us)
+
         await loop.run_in_executor(self._executor, check_slot, self.model_dir, self.cfg, self.plan)
-        stage = await loop.run_in_executor(self._executor, load_stage, self.model_dir, plan, o.dtype, o.device,
-                                           self.cfg, self.topo.model.formats, None, o.compile)  # formats: p2pk3.quant
+        stage = await loop.run_in_executor(
+            self._executor,
+            load_stage,
+            self.model_dir,
+            plan,
+            o.dtype,
+            o.device,
+            self.cfg,
+            self.topo.model.formats,
+            None,
+            o.compile,
+        )  # formats: p2pk3.quant
         self.runner = StageRunner(stage, stage.new_cache(o.max_sessions, o.cache_tokens))
-        self.worker = StageWorker(self.runner, self._executor, slot=slot_id, max_batch_tokens=o.max_batch_tokens,
-                                  emit=self._emit, report=self._report, pass_free=self._pass_free, first=plan.embed)
+        self.worker = StageWorker(
+            self.runner,
+            self._executor,
+            slot=slot_id,
+            max_batch_tokens=o.max_batch_tokens,
+            emit=self._emit,
+            report=self._report,
+            pass_free=self._pass_free,
+            first=plan.embed,
+        )
         if plan.embed:  # requests are taken from now on; they run once the worker starts
             m, d = o.schedule(len(self.topo.active))
-            self.entry = Entry(self.worker.put, self._free_from_entry, prefill_chunk=o.prefill_chunk,
-                               max_batch_tokens=o.max_batch_tokens, max_sessions=o.max_sessions,
-                               micro_batches=m, prefill_depth=d, stage_cost=self.worker.cost)
+            self.entry = Entry(
+                self.worker.put,
+                self._free_from_entry,
+                prefill_chunk=o.prefill_chunk,
+                max_batch_tokens=o.max_batch_tokens,
+                max_sessions=o.max_sessions,
+                micro_batches=m,
+                prefill_depth=d,
+                stage_cost=self.worker.cost,
+            )
             self.coordinator = Coordinator(
-                self.entry, slot_id=slot_id, topo=self.topo, opts=o, routes=self.routes, holder_of=self.holder_of,
-                mark_dead=self.claims.mark_dead, broadcast=self.broadcast, retain=self.retain,
-                request=lambda addr, frame, timeout: request(addr, self.secret, self.node_id, frame, timeout))
-            self.clients = ClientService(self.entry, self.cfg.vocab_size, health=self.coordinator.health,
-                                         stage_stats=self.public_stats)
+                self.entry,
+                slot_id=slot_id,
+                topo=self.topo,
+                opts=o,
+                routes=self.routes,
+                holder_of=self.holder_of,
+                mark_dead=self.claims.mark_dead,
+                broadcast=self.broadcast,
+                retain=self.retain,
+                request=lambda addr, frame, timeout: request(addr, self.secret, self.node_id, frame, timeout),
+            )
+            self.clients = ClientService(
+                self.entry, self.cfg.vocab_size, health=self.coordinator.health, stage_stats=self.public_stats
+            )
 
     def _start_serving(self) -> None:
         self.role = "entry" if self.entry is not None else "stage"
@@ -168,8 +249,15 @@ class NodeDaemon:
         if self.monitor is not None:
             self.monitor.stop()
         o = self.opts
-        self.monitor = Monitor(self.secret, self.node_id, self._watched, self.routes.address,
-                               heartbeat_s=o.heartbeat_s, dead_after_s=o.dead_after_s, on_change=self._on_peer_change)
+        self.monitor = Monitor(
+            self.secret,
+            self.node_id,
+            self._watched,
+            self.routes.address,
+            heartbeat_s=o.heartbeat_s,
+            dead_after_s=o.dead_after_s,
+            on_change=self._on_peer_change,
+        )
         self.monitor.start()
 
     def _watched(self) -> list[str]:
@@ -211,8 +299,11 @@ class NodeDaemon:
         if verdict is True:
             slot = self.topo.active[0].id
             if self.monitor.state(slot).state != "dead":
-                log.warning("the entry slot %s has not answered since this standby started %.0f s ago: taking it over",
-                            slot, time.monotonic() - self.started_mono)
+                log.warning(
+                    "the entry slot %s has not answered since this standby started %.0f s ago: taking it over",
+                    slot,
+                    time.monotonic() - self.started_mono,
+                )
             self._taking = asyncio.create_task(self._take_over_entry(self.holder_of(slot, self.monitor.state(slot))))
         elif verdict is not False:  # an entry never seen up: look again when the start-up grace is over
             asyncio.get_running_loop().call_later(verdict, self._maybe_take_entry)
@@ -250,11 +341,20 @@ class NodeDaemon:
     async def _start_discovery(self) -> None:
         c, o = self.topo.cluster, self.opts
         adv = self.advertised_host
-        self.discovery = Discovery(c.name, self.secret, self.node_id, port=self.port, host=adv,
-                                   beacon_port=c.beacon_port, beacon_addrs=c.beacon_addrs,
-                                   static=self.topo.static_addresses(), claims=self.claims,
-                                   standby=self.slot.standby, interval=0.5 if o.claim_wait < 1.5 else 1.0,
-                                   drop_received=o.drop_beacons)
+        self.discovery = Discovery(
+            c.name,
+            self.secret,
+            self.node_id,
+            port=self.port,
+            host=adv,
+            beacon_port=c.beacon_port,
+            beacon_addrs=c.beacon_addrs,
+            static=self.topo.static_addresses(),
+            claims=self.claims,
+            standby=self.slot.standby,
+            interval=0.5 if o.claim_wait < 1.5 else 1.0,
+            drop_received=o.drop_beacons,
+        )
         self.routes.discovery = self.discovery
         await self.discovery.start()
         await asyncio.sleep(o.claim_wait)  # hear the others' beacons before claiming
@@ -276,7 +376,9 @@ class NodeDaemon:
         log.warning("taking over slot %s (replacing %s)", slot_id, replaces)
         self.role = "loading"
         try:
-            plan = self.topo.slot_plan(self.topo.slot(slot_id), self.cfg)  # its shards this spare lacks, from the others
+            plan = self.topo.slot_plan(
+                self.topo.slot(slot_id), self.cfg
+            )  # its shards this spare lacks, from the others
             await fetch_lacking_files(self.model_dir, self.cfg, plan, self._other_addresses(), self.secret)
             await self._load(slot_id)
             await self._claim_slot(slot_id, replaces)
@@ -411,8 +513,13 @@ class NodeDaemon:
                 where = f" at {h}:{p}"
             except ConnectionError:
                 where = ""
-            await conn.send(error_frame(ErrorCode.NOT_ENTRY, f"slot {self.slot_id} has no entry role; connect to "
-                                        f"the entry (slot {entry}{where})", request_id=f.header.get("request_id")))
+            await conn.send(
+                error_frame(
+                    ErrorCode.NOT_ENTRY,
+                    f"slot {self.slot_id} has no entry role; connect to the entry (slot {entry}{where})",
+                    request_id=f.header.get("request_id"),
+                )
+            )
             return
         await self.clients.generate(conn, f, reqs)
 
@@ -425,25 +532,37 @@ class NodeDaemon:
         if not any(s.id == r.slot for s in self.topo.slots):  # the route table must not grow without bound
             raise ProtocolError(f"route for slot {r.slot[:64]!r}, which is not in the topology")
         if r.slot == self.slot_id and r.node != self.node_id and self.claim and r.epoch > self.claim.epoch:
-            log.error("slot %s was taken over by %s at epoch %d (ours: %d): this node steps down",
-                      r.slot, r.node, r.epoch, self.claim.epoch)
-            asyncio.get_running_loop().call_later(0, lambda: asyncio.ensure_future(
-                self.stop(f"slot {r.slot} was taken over by node {r.node} (epoch {r.epoch})")))
+            log.error(
+                "slot %s was taken over by %s at epoch %d (ours: %d): this node steps down",
+                r.slot,
+                r.node,
+                r.epoch,
+                self.claim.epoch,
+            )
+            asyncio.get_running_loop().call_later(
+                0,
+                lambda: asyncio.ensure_future(
+                    self.stop(f"slot {r.slot} was taken over by node {r.node} (epoch {r.epoch})")
+                ),
+            )
         self.routes.announce(r)
 
     def file_server(self):
         """What this node serves to peers: the files of its manifest (deploy/peers.py), made on first use."""
         if self._file_server is None:
             from p2pk3.deploy.peers import FileServer
+
             self._file_server = FileServer(self.model_dir)
         return self._file_server
 
     async def _on_file_list(self, conn, f, reqs) -> None:
         from p2pk3.deploy.peers import handle_file_list  # files of the manifest, for peers
+
         await handle_file_list(self.file_server(), conn, f)
 
     async def _on_file_get(self, conn, f, reqs) -> None:
         from p2pk3.deploy.peers import handle_file_get  # one chunk of a manifest file, rate-limited
+
         await handle_file_get(self.file_server(), conn, f)
 
     async def _on_takeover(self, conn, f, reqs) -> None:
@@ -472,8 +591,9 @@ class NodeDaemon:
             act = self.topo.active
             nxt = act[(act.index(self.slot) + 1) % len(act)].id
             why = f"slot {nxt} is unreachable from slot {self.slot_id}, its predecessor ({e})"
-            await self._report([Result(s.session, s.epoch, s.start_pos, error=why, code=ErrorCode.UNAVAILABLE)
-                                for s in segs])
+            await self._report(
+                [Result(s.session, s.epoch, s.start_pos, error=why, code=ErrorCode.UNAVAILABLE) for s in segs]
+            )
 
     async def _report(self, results: list[Result]) -> None:
         """Per-session errors go straight to the entry (not along the ring, which may be what broke)."""
@@ -503,15 +623,24 @@ class NodeDaemon:
     # ------------------------------------------------------------------ status
     def public_stats(self) -> dict:
         w = self.worker.stats if self.worker else None
-        st = {"slot": self.slot_id, "standby": self.role == "standby", "role": self.role, "node": self.node_id,
-              "epoch": self.claim.epoch if self.claim else None, "address": [self.advertised_host, self.port],
-              "batches": w.batches if w else 0, "tokens": w.tokens if w else 0,
-              "busy_s": round(w.busy_s, 4) if w else 0.0, "last_batch_ms": round(w.last_batch_ms, 3) if w else 0.0,
-              "busy": round(self.worker.busy_fraction(), 3) if self.worker else 0.0,
-              "queue": self.worker.depth if self.worker else 0,
-              "sessions": self.runner.sessions if self.runner else 0,
-              "errors": self.stats["errors"] + (w.errors if w else 0), "uptime_s": round(time.time() - self.stats["started"], 1),
-              "memory": memory_usage(self.opts.device)}
+        st = {
+            "slot": self.slot_id,
+            "standby": self.role == "standby",
+            "role": self.role,
+            "node": self.node_id,
+            "epoch": self.claim.epoch if self.claim else None,
+            "address": [self.advertised_host, self.port],
+            "batches": w.batches if w else 0,
+            "tokens": w.tokens if w else 0,
+            "busy_s": round(w.busy_s, 4) if w else 0.0,
+            "last_batch_ms": round(w.last_batch_ms, 3) if w else 0.0,
+            "busy": round(self.worker.busy_fraction(), 3) if self.worker else 0.0,
+            "queue": self.worker.depth if self.worker else 0,
+            "sessions": self.runner.sessions if self.runner else 0,
+            "errors": self.stats["errors"] + (w.errors if w else 0),
+            "uptime_s": round(time.time() - self.stats["started"], 1),
+            "memory": memory_usage(self.opts.device),
+        }
         if self.runner is not None:  # what the planner's table sizes (p2pk3.topology.sizing)
             st["memory"] |= {"weights": loaded_weight_bytes(self.runner.stage), "cache": self.runner.cache.bytes()}
         if self.role in ("entry", "stage") and hasattr(self, "plan"):

@@ -16,6 +16,7 @@ Receivers drop beacons that are malformed, unsigned or signed with another secre
 cluster, older than `max_skew` seconds (or from the future), replayed (seq not increasing for an
 instance), or their own. A peer silent for `expiry` seconds is removed. Counters in `stats`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -75,13 +76,20 @@ def decode_beacon(key: bytes, data: bytes) -> dict[str, Any]:
     if not hmac.compare_digest(hmac.new(key, msg, hashlib.sha256).digest(), tag):
         raise BeaconError("bad_signature", "beacon signature does not verify (another cluster's secret?)")
     try:
-        body = msgpack.unpackb(msg[_HEAD.size:], raw=False, strict_map_key=True, ext_hook=_no_ext)
+        body = msgpack.unpackb(msg[_HEAD.size :], raw=False, strict_map_key=True, ext_hook=_no_ext)
     except Exception as e:
         raise BeaconError("malformed", f"beacon body: {e}") from None
     if not isinstance(body, dict):
         raise BeaconError("malformed", "beacon body is not a map")
-    for k, t in (("cluster", str), ("node", str), ("inst", str), ("seq", int), ("ts", (int, float)),
-                 ("port", int), ("epoch", int)):
+    for k, t in (
+        ("cluster", str),
+        ("node", str),
+        ("inst", str),
+        ("seq", int),
+        ("ts", (int, float)),
+        ("port", int),
+        ("epoch", int),
+    ):
         if not isinstance(body.get(k), t) or isinstance(body.get(k), bool):
             raise BeaconError("malformed", f"beacon field {k!r} missing or of the wrong type")
     for k, t in (("host", str), ("slot", str), ("since", (int, float))):
@@ -132,14 +140,30 @@ class Discovery:
     static: slot id -> (host, port) from the topology, returned by `resolve_slot` when no live peer
     claims the slot."""
 
-    def __init__(self, cluster: str, secret: bytes | str, node_id: str, *, port: int, host: str | None = None,
-                 slot: str | None = None, epoch: int = 0, since: float | None = None, standby: bool = False,
-                 beacon_port: int = DEFAULT_BEACON_PORT, beacon_addrs: Iterable[str] = ("255.255.255.255",),
-                 unicast: Iterable[str] = (), bind: str = "0.0.0.0", interval: float = 1.0,
-                 expiry: float | None = None, max_skew: float = 30.0,
-                 static: Mapping[str, tuple[str, int]] | None = None,
-                 on_event: Callable[[str, PeerInfo], None] | None = None, claims: Any = None,
-                 drop_received: bool = False):
+    def __init__(
+        self,
+        cluster: str,
+        secret: bytes | str,
+        node_id: str,
+        *,
+        port: int,
+        host: str | None = None,
+        slot: str | None = None,
+        epoch: int = 0,
+        since: float | None = None,
+        standby: bool = False,
+        beacon_port: int = DEFAULT_BEACON_PORT,
+        beacon_addrs: Iterable[str] = ("255.255.255.255",),
+        unicast: Iterable[str] = (),
+        bind: str = "0.0.0.0",
+        interval: float = 1.0,
+        expiry: float | None = None,
+        max_skew: float = 30.0,
+        static: Mapping[str, tuple[str, int]] | None = None,
+        on_event: Callable[[str, PeerInfo], None] | None = None,
+        claims: Any = None,
+        drop_received: bool = False,
+    ):
         self.cluster = cluster
         sec = secret.encode() if isinstance(secret, str) else bytes(secret)
         if not sec:
@@ -160,8 +184,23 @@ class Discovery:
         self.on_event = on_event
         self.claims = claims
         self.drop_received = drop_received  # fault injection: every received beacon is lost (counted)
-        self.stats = {k: 0 for k in ("sent", "received", "accepted", "malformed", "bad_signature", "wrong_cluster",
-                                     "stale", "replayed", "own", "duplicate_id", "send_errors", "dropped")}
+        self.stats = {
+            k: 0
+            for k in (
+                "sent",
+                "received",
+                "accepted",
+                "malformed",
+                "bad_signature",
+                "wrong_cluster",
+                "stale",
+                "replayed",
+                "own",
+                "duplicate_id",
+                "send_errors",
+                "dropped",
+            )
+        }
         self._peers: dict[str, PeerInfo] = {}
         self._seqs: dict[tuple[str, str], int] = {}
         self._seq = 0
@@ -219,9 +258,19 @@ class Discovery:
 
     def body(self, *, bye: bool = False) -> dict[str, Any]:
         self._seq += 1
-        b: dict[str, Any] = {"cluster": self.cluster, "node": self.node_id, "inst": self.instance, "seq": self._seq,
-                             "ts": time.time(), "host": self.host or "", "port": self.port, "slot": self.slot,
-                             "epoch": self.epoch, "since": self.since, "standby": self.standby}
+        b: dict[str, Any] = {
+            "cluster": self.cluster,
+            "node": self.node_id,
+            "inst": self.instance,
+            "seq": self._seq,
+            "ts": time.time(),
+            "host": self.host or "",
+            "port": self.port,
+            "slot": self.slot,
+            "epoch": self.epoch,
+            "since": self.since,
+            "standby": self.standby,
+        }
         if bye:
             b["bye"] = True
         return b
@@ -259,7 +308,9 @@ class Discovery:
             return
         if abs(time.time() - b["ts"]) > self.max_skew:
             self.stats["stale"] += 1
-            log.debug("ignored beacon from %s: timestamp %.1f s off (clocks out of sync?)", addr[0], time.time() - b["ts"])
+            log.debug(
+                "ignored beacon from %s: timestamp %.1f s off (clocks out of sync?)", addr[0], time.time() - b["ts"]
+            )
             return
         node, inst = b["node"], b["inst"]
         if node == self.node_id:
@@ -269,8 +320,12 @@ class Discovery:
                 self.stats["duplicate_id"] += 1
                 if inst not in self._dup_warned:
                     self._dup_warned.add(inst)
-                    log.warning("another process at %s uses this node id %r: node ids must be unique "
-                                "(copied config or state directory?)", addr[0], node)
+                    log.warning(
+                        "another process at %s uses this node id %r: node ids must be unique "
+                        "(copied config or state directory?)",
+                        addr[0],
+                        node,
+                    )
             return
         last = self._seqs.get((node, inst))
         if last is not None and b["seq"] <= last:
@@ -291,15 +346,38 @@ class Discovery:
             # two live instances with one id (or a restart): the newest beacon wins; warn once
             if inst not in self._dup_warned and old.host != (b["host"] or addr[0]):
                 self._dup_warned.add(inst)
-                log.warning("node id %r is announced from %s and from %s: duplicate node ids?",
-                            node, old.host, b["host"] or addr[0])
-        peer = PeerInfo(node, b["host"] or addr[0], b["port"], b.get("slot"), b["epoch"], b.get("since"), now, inst,
-                        bool(b.get("standby", False)), "beacon", addr)
+                log.warning(
+                    "node id %r is announced from %s and from %s: duplicate node ids?",
+                    node,
+                    old.host,
+                    b["host"] or addr[0],
+                )
+        peer = PeerInfo(
+            node,
+            b["host"] or addr[0],
+            b["port"],
+            b.get("slot"),
+            b["epoch"],
+            b.get("since"),
+            now,
+            inst,
+            bool(b.get("standby", False)),
+            "beacon",
+            addr,
+        )
         self._peers[node] = peer
         if old is None:
-            log.info("discovered node %r at %s:%d (slot %s, epoch %d)", node, peer.host, peer.port, peer.slot, peer.epoch)
+            log.info(
+                "discovered node %r at %s:%d (slot %s, epoch %d)", node, peer.host, peer.port, peer.slot, peer.epoch
+            )
             self._event("join", peer)
-        elif (old.host, old.port, old.slot, old.epoch, old.instance) != (peer.host, peer.port, peer.slot, peer.epoch, inst):
+        elif (old.host, old.port, old.slot, old.epoch, old.instance) != (
+            peer.host,
+            peer.port,
+            peer.slot,
+            peer.epoch,
+            inst,
+        ):
             self._event("update", peer)
         if self.claims is not None:
             self.claims.observe(node, peer.slot, peer.epoch, since=peer.since)
@@ -338,6 +416,7 @@ class Discovery:
 
     async def wait_for(self, predicate: Callable[[dict[str, PeerInfo]], bool], timeout: float) -> dict[str, PeerInfo]:
         """Wait until predicate(peers()) holds; asyncio.TimeoutError after `timeout` seconds."""
+
         async def loop() -> dict[str, PeerInfo]:
             while True:
                 ps = self.peers()
@@ -348,6 +427,7 @@ class Discovery:
                     await asyncio.wait_for(self._changed.wait(), self.interval)
                 except asyncio.TimeoutError:
                     pass
+
         return await asyncio.wait_for(loop(), timeout)
 
 
@@ -374,5 +454,13 @@ def broadcast_addresses() -> list[str]:
     return addrs
 
 
-__all__ = ["Discovery", "PeerInfo", "encode_beacon", "decode_beacon", "beacon_key", "BeaconError",
-           "broadcast_addresses", "DEFAULT_BEACON_PORT"]
+__all__ = [
+    "Discovery",
+    "PeerInfo",
+    "encode_beacon",
+    "decode_beacon",
+    "beacon_key",
+    "BeaconError",
+    "broadcast_addresses",
+    "DEFAULT_BEACON_PORT",
+]

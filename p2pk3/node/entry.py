@@ -33,6 +33,7 @@ target itself would have produced and adds the token after it; the entry appends
 max_tokens) and the session's next segment starts after them, which tells every stage how far to roll
 back. Only accepted tokens enter the history, so a replay never sees a draft.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -100,7 +101,7 @@ class Session:
 
     @property
     def generated(self) -> list[int]:
-        return self.tokens[self.prompt_len:]
+        return self.tokens[self.prompt_len :]
 
     @property
     def inflight(self) -> int:
@@ -117,20 +118,42 @@ class Session:
         ttft = (self.t_first - self.t_submit) if self.t_first else None
         total = (self.t_done or time.perf_counter()) - self.t_submit
         decode = (self.t_done - self.t_first) if (self.t_done and self.t_first and n > 1) else None
-        st = {"prompt_tokens": self.prompt_len, "generated_tokens": n, "ttft_s": ttft, "total_s": total,
-              "decode_tokens_per_s": (n - 1) / decode if decode else None, "replays": self.replays}
+        st = {
+            "prompt_tokens": self.prompt_len,
+            "generated_tokens": n,
+            "ttft_s": ttft,
+            "total_s": total,
+            "decode_tokens_per_s": (n - 1) / decode if decode else None,
+            "replays": self.replays,
+        }
         if self.proposer is not None:
-            st.update({"speculate": self.params.speculate, "proposed": self.proposed, "accepted": self.accepted,
-                       "acceptance": self.accepted / self.proposed if self.proposed else None,
-                       "passes": self.passes, "tokens_per_pass": self.pass_tokens / self.passes if self.passes else None,
-                       "draft_us": self.draft_ns / 1000 / self.drafts if self.drafts else None})
+            st.update(
+                {
+                    "speculate": self.params.speculate,
+                    "proposed": self.proposed,
+                    "accepted": self.accepted,
+                    "acceptance": self.accepted / self.proposed if self.proposed else None,
+                    "passes": self.passes,
+                    "tokens_per_pass": self.pass_tokens / self.passes if self.passes else None,
+                    "draft_us": self.draft_ns / 1000 / self.drafts if self.drafts else None,
+                }
+            )
         return st
 
 
 class Entry:
-    def __init__(self, submit_work, free_sessions, *, prefill_chunk: int = 256, max_batch_tokens: int = 2048,
-                 max_sessions: int = 64, micro_batches: int = 1, prefill_depth: int = 1,
-                 stage_cost: PassCost | None = None):
+    def __init__(
+        self,
+        submit_work,
+        free_sessions,
+        *,
+        prefill_chunk: int = 256,
+        max_batch_tokens: int = 2048,
+        max_sessions: int = 64,
+        micro_batches: int = 1,
+        prefill_depth: int = 1,
+        stage_cost: PassCost | None = None,
+    ):
         self._submit_work = submit_work  # callable(Work) -> None (first stage queue)
         self._free_sessions = free_sessions  # callable(list[(session, epoch)]) -> None (free along the ring)
         self.prefill_chunk, self.max_batch_tokens, self.max_sessions = prefill_chunk, max_batch_tokens, max_sessions
@@ -160,8 +183,9 @@ class Entry:
         self.spec_totals = {"passes": 0, "proposed": 0, "accepted": 0}
 
     # ------------------------------------------------------------------ public
-    def submit(self, prompt: list[int], params: SamplingParams, *, want_logits: bool = False,
-               incremental: bool = False) -> Session:
+    def submit(
+        self, prompt: list[int], params: SamplingParams, *, want_logits: bool = False, incremental: bool = False
+    ) -> Session:
         live = sum(1 for s in self.sessions.values() if not s.done)
         if live >= self.max_sessions:
             raise Busy(f"busy: {live} sessions in flight (max {self.max_sessions}); retry later")
@@ -222,8 +246,9 @@ class Entry:
         now = time.perf_counter()
         late = [s for s in self.live() if s.sent_at and now - s.sent_at[0] > timeout_s]
         for s in late:
-            self._finish(s, error=f"no answer from the ring for {timeout_s:.0f} s (a stage lost the request)",
-                         code="failed")
+            self._finish(
+                s, error=f"no answer from the ring for {timeout_s:.0f} s (a stage lost the request)", code="failed"
+            )
         return late
 
     # ------------------------------------------------------------------ scheduling
@@ -288,7 +313,7 @@ class Entry:
             s.sent_at.append(now)
             s.inflight_draft = len(draft)
             budget -= 1 + len(draft)
-        for s in group[:len(segs)]:
+        for s in group[: len(segs)]:
             s.sent_width, s.sent_verify = len(ids), drafting
         self.units_sent["decode"] += 1
         self._submit_work(Work(segs, tokens=torch.tensor(ids, dtype=torch.long)))
@@ -301,8 +326,11 @@ class Entry:
         if decode_width:
             budget_cap = min(budget_cap, self._prefill_budget(decode_width))
         while True:
-            ready = [s for s in self.sessions.values() if not s.done and not s.decoding
-                     and s.sent < len(s.tokens) and s.inflight < self.prefill_depth]
+            ready = [
+                s
+                for s in self.sessions.values()
+                if not s.done and not s.decoding and s.sent < len(s.tokens) and s.inflight < self.prefill_depth
+            ]
             if not ready:
                 return
             ready.sort(key=lambda s: s.t_submit)
@@ -314,12 +342,12 @@ class Entry:
                 last = s.sent + n == len(s.tokens)
                 sample = s.seg_params if last and not s.want_logits else None
                 segs.append(Segment(s.id, s.epoch, s.sent, n, sample, s.want_logits))
-                ids.extend(s.tokens[s.sent:s.sent + n])
+                ids.extend(s.tokens[s.sent : s.sent + n])
                 s.sent += n
                 s.sent_at.append(now)
                 s.inflight_draft = 0
                 budget -= n
-            for s in ready[:len(segs)]:
+            for s in ready[: len(segs)]:
                 s.sent_width, s.sent_verify = len(ids), False
             self.units_sent["prefill"] += 1
             self._submit_work(Work(segs, tokens=torch.tensor(ids, dtype=torch.long)))
@@ -373,18 +401,27 @@ class Entry:
     def schedule_stats(self) -> dict:
         """For the status: the schedule, and the units it keeps in the ring now."""
         live = self.live()
-        return {"micro_batches": self.micro_batches, "prefill_depth": self.prefill_depth,
-                "units_sent": dict(self.units_sent),
-                "decoding": sum(1 for s in live if s.decoding), "prefilling": sum(1 for s in live if not s.decoding),
-                "in_flight": sum(s.inflight for s in live)}
+        return {
+            "micro_batches": self.micro_batches,
+            "prefill_depth": self.prefill_depth,
+            "units_sent": dict(self.units_sent),
+            "decoding": sum(1 for s in live if s.decoding),
+            "prefilling": sum(1 for s in live if not s.decoding),
+            "in_flight": sum(s.inflight for s in live),
+        }
 
     def spec_stats(self) -> dict:
         """For the status: the measured ring time by pass width and the totals of speculating sessions."""
         t = self.spec_totals
-        return {"ring_ms_by_width": self.pass_cost.table(), "ring_ms_by_width_with_drafts": self.verify_cost.table(),
-                "draft_policy": self.draft_policy,
-                "spec_passes": t["passes"], "spec_proposed": t["proposed"], "spec_accepted": t["accepted"],
-                "suffix_index_tokens": len(self.suffix_index)}
+        return {
+            "ring_ms_by_width": self.pass_cost.table(),
+            "ring_ms_by_width_with_drafts": self.verify_cost.table(),
+            "draft_policy": self.draft_policy,
+            "spec_passes": t["passes"],
+            "spec_proposed": t["proposed"],
+            "spec_accepted": t["accepted"],
+            "suffix_index_tokens": len(self.suffix_index),
+        }
 
     def on_results(self, results: list[Result], logits: torch.Tensor | None) -> None:
         row = 0
@@ -401,7 +438,7 @@ class Entry:
                 continue
             t_sent = s.sent_at.popleft()  # a session's units come back in the order they left
             if s.want_logits:
-                s.logits.append(logits[row:row + r.rows].clone())
+                s.logits.append(logits[row : row + r.rows].clone())
                 row += r.rows
                 if s.sent >= len(s.tokens) and not s.sent_at:
                     self._finish(s)
@@ -412,8 +449,11 @@ class Entry:
             if s.t_first is None:
                 s.t_first = now
             if len(r.accepted) > s.inflight_draft:
-                self._finish(s, error=f"the ring accepted {len(r.accepted)} drafted tokens of {s.inflight_draft}",
-                             code=ErrorCode.FAILED)
+                self._finish(
+                    s,
+                    error=f"the ring accepted {len(r.accepted)} drafted tokens of {s.inflight_draft}",
+                    code=ErrorCode.FAILED,
+                )
                 continue
             if s.decoding:  # ring time of decode passes (prefill chunks wait behind each other)
                 (self.verify_cost if s.sent_verify else self.pass_cost).observe(s.sent_width, 1000 * (now - t_sent))
@@ -428,8 +468,11 @@ class Entry:
                 s.accepted += len(r.accepted)
                 s.passes += 1
                 t = self.spec_totals
-                t["passes"], t["proposed"], t["accepted"] = (t["passes"] + 1, t["proposed"] + s.inflight_draft,
-                                                             t["accepted"] + len(r.accepted))
+                t["passes"], t["proposed"], t["accepted"] = (
+                    t["passes"] + 1,
+                    t["proposed"] + s.inflight_draft,
+                    t["accepted"] + len(r.accepted),
+                )
             s.sent += len(r.accepted)  # the ring holds the accepted drafts already
             s.inflight_draft = 0
             added = 0
@@ -448,7 +491,7 @@ class Entry:
         s.sent_at.clear()
         s.t_done = time.perf_counter()
         if isinstance(s.proposer, SuffixProposer) and len(s.tokens) > s.prompt_len:
-            self.suffix_index.add(s.tokens[max(0, s.prompt_len - 8):])  # the output, with a little context
+            self.suffix_index.add(s.tokens[max(0, s.prompt_len - 8) :])  # the output, with a little context
         s.out.put_nowait(None)
         if code == "cancelled":
             self.cancelled += 1

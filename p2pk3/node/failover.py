@@ -14,6 +14,7 @@ standby appears; then service resumes by itself.
 On a STANDBY (it watches the entry slot and the other standbys): when the entry slot dies, the first
 live standby in topology order takes the entry slot and its role; clients resume on it (node/client.py).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -58,13 +59,28 @@ class Coordinator:
     (to every other node), `retain(sessions)` (apply a `retain` on this node too) and `request(addr, frame,
     timeout)` (one request / reply with a standby). The failure detector comes with `start(monitor)`."""
 
-    def __init__(self, entry: Entry, *, slot_id: str, topo: Topology, opts: NodeOptions, routes: RouteTable,
-                 holder_of: HolderOf, mark_dead: Callable[[str, str, int], object],
-                 broadcast: Callable[..., Awaitable[None]], retain: Callable[[dict[str, int]], None],
-                 request: Request):
+    def __init__(
+        self,
+        entry: Entry,
+        *,
+        slot_id: str,
+        topo: Topology,
+        opts: NodeOptions,
+        routes: RouteTable,
+        holder_of: HolderOf,
+        mark_dead: Callable[[str, str, int], object],
+        broadcast: Callable[..., Awaitable[None]],
+        retain: Callable[[dict[str, int]], None],
+        request: Request,
+    ):
         self.entry, self.slot_id, self.topo, self.opts, self.routes = entry, slot_id, topo, opts, routes
         self.holder_of, self.mark_dead, self.broadcast, self.retain, self.request = (
-            holder_of, mark_dead, broadcast, retain, request)
+            holder_of,
+            mark_dead,
+            broadcast,
+            retain,
+            request,
+        )
         self.monitor: Monitor | None = None
         self.down: dict[str, PeerState] = {}  # active slots that are down, by slot id
         self.unavailable: str | None = None  # why requests are refused (no standby for a down slot)
@@ -97,10 +113,16 @@ class Coordinator:
             for s in self.topo.active:
                 ps = m.state(s.id)
                 # a slot still starting gets a detector period's grace (its link re-dials meanwhile)
-                if (s.id != self.slot_id and ps is not None and ps.state == DOWN
-                        and now - ps.since > o.heartbeat_s + o.dead_after_s):
-                    return ErrorCode.UNAVAILABLE, (f"slot {s.id} is not reachable ({ps.reason}); start its node "
-                                                   f"(`p2pk3 node --topology ... --slot {s.id}`)")
+                if (
+                    s.id != self.slot_id
+                    and ps is not None
+                    and ps.state == DOWN
+                    and now - ps.since > o.heartbeat_s + o.dead_after_s
+                ):
+                    return ErrorCode.UNAVAILABLE, (
+                        f"slot {s.id} is not reachable ({ps.reason}); start its node "
+                        f"(`p2pk3 node --topology ... --slot {s.id}`)"
+                    )
         return None
 
     def _live_standbys(self) -> list[str]:
@@ -174,8 +196,10 @@ class Coordinator:
         ps = self.down[slot]
         standbys = self._live_standbys()
         if not standbys:
-            why = (f"slot {slot} is down ({ps.reason}) and no standby is available to take it over; "
-                   f"start a spare (`p2pk3 node --standby`) or restart the slot's node")
+            why = (
+                f"slot {slot} is down ({ps.reason}) and no standby is available to take it over; "
+                f"start a spare (`p2pk3 node --standby`) or restart the slot's node"
+            )
             if self.unavailable != why:
                 log.error("%s", why)
                 self.unavailable = why
@@ -197,15 +221,25 @@ class Coordinator:
             route = parse_route(reply)
         except (*DIAL_ERRORS, ProtocolError) as e:
             log.error("standby %s could not take over slot %s: %s", sb, slot, e)
-            self.events.append({"event": "takeover_failed", "slot": slot, "standby": sb, "t": time.time(),
-                                "error": str(e)})
+            self.events.append(
+                {"event": "takeover_failed", "slot": slot, "standby": sb, "t": time.time(), "error": str(e)}
+            )
             await asyncio.sleep(self.opts.heartbeat_s)
             return
         self.routes.announce(route)
         self.monitor.moved(slot)
         await self.broadcast(route_frame(route))
-        self.events.append({"event": "takeover", "slot": slot, "standby": sb, "node": route.node,
-                            "epoch": route.epoch, "t": time.time(), "takeover_s": time.time() - t0})
+        self.events.append(
+            {
+                "event": "takeover",
+                "slot": slot,
+                "standby": sb,
+                "node": route.node,
+                "epoch": route.epoch,
+                "t": time.time(),
+                "takeover_s": time.time() - t0,
+            }
+        )
         del self.down[slot]
         log.warning("slot %s now served by %s (epoch %d)", slot, route.node, route.epoch)
 
@@ -218,8 +252,9 @@ class Coordinator:
         await self.broadcast(retain_frame(live), stages_only=True)
         self.retain(dict(live))
         entry.resume()
-        log.warning("%s: %d session%s continue%s", why, len(live), "" if len(live) == 1 else "s",
-                    "s" if len(live) == 1 else "")
+        log.warning(
+            "%s: %d session%s continue%s", why, len(live), "" if len(live) == 1 else "s", "s" if len(live) == 1 else ""
+        )
         self.events.append({"event": "recovered", "t": time.time()})
 
 
@@ -234,7 +269,10 @@ def entry_lost(monitor: Monitor, topo: Topology, slot_id: str, grace_left_s: flo
         return False
     if ps.state == DOWN and grace_left_s > 0:
         return max(grace_left_s, 0.05)
-    live = [s.id for s in topo.standby
-            if s.id == slot_id or ((p := monitor.state(s.id)) is not None and p.state == UP
-                                   and p.info.get("role") == "standby")]
+    live = [
+        s.id
+        for s in topo.standby
+        if s.id == slot_id
+        or ((p := monitor.state(s.id)) is not None and p.state == UP and p.info.get("role") == "standby")
+    ]
     return bool(live) and live[0] == slot_id

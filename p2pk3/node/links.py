@@ -5,6 +5,7 @@ wait has a deadline: dialling retries with back-off until `dial_deadline_s`, a f
 take within `send_timeout_s` drops the connection (a hung peer), and then `LinkDown` is raised. Frames
 the peer sends back on the link (only errors, on the ring) go to `on_frame`, read by a task the link
 keeps and cancels with the connection."""
+
 from __future__ import annotations
 
 import asyncio
@@ -25,9 +26,18 @@ class LinkDown(ConnectionError):
 
 
 class PeerLink:
-    def __init__(self, name: str, resolve: Callable[[], tuple[str, int]], secret: bytes, node_id: str, *,
-                 dial_deadline_s: float = 10.0, send_timeout_s: float = 10.0, connect_timeout_s: float = 2.0,
-                 on_frame: Callable[[Frame], None] | None = None):
+    def __init__(
+        self,
+        name: str,
+        resolve: Callable[[], tuple[str, int]],
+        secret: bytes,
+        node_id: str,
+        *,
+        dial_deadline_s: float = 10.0,
+        send_timeout_s: float = 10.0,
+        connect_timeout_s: float = 2.0,
+        on_frame: Callable[[Frame], None] | None = None,
+    ):
         self.name = name
         self.resolve = resolve
         self.secret, self.node_id = secret, node_id

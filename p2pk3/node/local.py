@@ -1,6 +1,7 @@
 """`p2pk3 local`: a ring of N daemons (plus S standbys) on loopback, each its own process, with a
 generated topology and secret; helpers to kill / restart one of them, to follow which node holds which
 slot (the `--state` file), and to run `score` / `generate` through such a ring."""
+
 from __future__ import annotations
 
 import asyncio
@@ -44,8 +45,16 @@ def free_ports(n: int) -> list[int]:
 def write_local_topology(model_dir: Path, nodes: int, workdir: Path, standby: int = 0) -> Path:
     cfg = K3Config.from_pretrained(model_dir)
     ports = free_ports(nodes + standby)
-    topo = even_split(cfg, nodes, host="127.0.0.1", base_port=ports[0], model_path=str(Path(model_dir).resolve()),
-                      secret_file="secret", name="local", n_standby=standby)
+    topo = even_split(
+        cfg,
+        nodes,
+        host="127.0.0.1",
+        base_port=ports[0],
+        model_path=str(Path(model_dir).resolve()),
+        secret_file="secret",
+        name="local",
+        n_standby=standby,
+    )
     for s, p in zip(topo.slots, ports):
         s.port = p
     (workdir / "secret").write_text(secrets.token_hex(32) + "\n")
@@ -92,8 +101,16 @@ def _signals_held():
 class LocalRing:
     """Start N `p2pk3 node` processes (and S standbys); `stop()` ends them all, also on failure."""
 
-    def __init__(self, model_dir: str | Path, nodes: int, workdir: str | Path | None = None, dtype: str = "float32",
-                 extra_args: list[str] | None = None, log_dir: str | Path | None = None, standby: int = 0):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        nodes: int,
+        workdir: str | Path | None = None,
+        dtype: str = "float32",
+        extra_args: list[str] | None = None,
+        log_dir: str | Path | None = None,
+        standby: int = 0,
+    ):
         self._tmp = None  # a folder we made: removed at the end unless something failed (logs are kept)
         if workdir is None:
             workdir = self._tmp = tempfile.mkdtemp(prefix="p2pk3-local-")
@@ -134,9 +151,28 @@ class LocalRing:
         role = ["--standby"] if s.standby else []
         with _signals_held():  # a Ctrl-C between the start and `self.procs` would orphan the daemon
             p = subprocess.Popen(
-                [sys.executable, "-P", "-m", "p2pk3.cli", "node", "--topology", str(self.topology), "--slot", slot,
-                 *role, "--dtype", self.dtype, "--no-discovery", *self.extra],
-                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=self.workdir)
+                [
+                    sys.executable,
+                    "-P",
+                    "-m",
+                    "p2pk3.cli",
+                    "node",
+                    "--topology",
+                    str(self.topology),
+                    "--slot",
+                    slot,
+                    *role,
+                    "--dtype",
+                    self.dtype,
+                    "--no-discovery",
+                    *self.extra,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                cwd=self.workdir,
+            )
             self.procs[slot] = p
         log.close()
         return p
@@ -163,13 +199,17 @@ class LocalRing:
             for sid in list(pending):
                 p = self.procs.get(sid)
                 if p is not None and p.poll() is not None:
-                    raise RuntimeError(f"node {sid} exited with {p.returncode}; its log ({self.log_path(sid)}):\n"
-                                       f"{self.log_path(sid).read_text()[-2000:]}")
+                    raise RuntimeError(
+                        f"node {sid} exited with {p.returncode}; its log ({self.log_path(sid)}):\n"
+                        f"{self.log_path(sid).read_text()[-2000:]}"
+                    )
                 st = asyncio.run(probe(self.address(sid), self.secret, 0.5))
                 if st is not None and st.get("role") in ("entry", "stage", "standby"):
                     pending.discard(sid)
             if pending and time.time() > deadline:
-                raise TimeoutError(f"ring not up after {timeout}s; waiting for {sorted(pending)} (logs in {self.log_dir})")
+                raise TimeoutError(
+                    f"ring not up after {timeout}s; waiting for {sorted(pending)} (logs in {self.log_dir})"
+                )
             if pending:
                 time.sleep(0.2)
 
@@ -247,8 +287,15 @@ class LocalRing:
         order = {s.id: i for i, s in enumerate(self.topo.slots)}
         rank = {"entry": 0, "stage": 0, "loading": 0, "standby": 1}
         nodes.sort(key=lambda n: (rank.get(n["role"], 2), order.get(n["slot"], 99)))
-        return {"topology": str(self.topology), "secret_file": str(self.topology.parent / "secret"), "entry": entry,
-                "api": None, "logs": str(self.log_dir), "pid": os.getpid(), "nodes": nodes}
+        return {
+            "topology": str(self.topology),
+            "secret_file": str(self.topology.parent / "secret"),
+            "entry": entry,
+            "api": None,
+            "logs": str(self.log_dir),
+            "pid": os.getpid(),
+            "nodes": nodes,
+        }
 
 
 def claim_state_file(path: str | Path) -> None:
@@ -263,8 +310,10 @@ def claim_state_file(path: str | Path) -> None:
         doc = {}
     pid = doc.get("pid") if isinstance(doc, dict) else None
     if isinstance(pid, int) and pid != os.getpid() and _alive(pid):
-        raise ValueError(f"{path} is the state of a running ring (p2pk3 local, pid {pid}); stop that one first "
-                         f"(kill {pid}) or give another --state file")
+        raise ValueError(
+            f"{path} is the state of a running ring (p2pk3 local, pid {pid}); stop that one first "
+            f"(kill {pid}) or give another --state file"
+        )
     path.unlink(missing_ok=True)
 
 
@@ -297,6 +346,7 @@ def ring_events(last: dict | None, doc: dict, topo: Topology) -> list[str]:
 
     def served(d: dict) -> set:
         return {n["slot"] for n in d["nodes"] if n["role"] in ("entry", "stage")}
+
     active = {s.id for s in topo.active}
     if active <= served(doc) and not active <= served(last):
         out.append(f"recovered: every slot is served again (entry {doc['entry']})")
@@ -313,6 +363,7 @@ def write_state(path: str | Path, doc: dict) -> None:
 
 def score_on_ring(model_dir, tokens: list[int], nodes: int, incremental: bool = False, dtype: str = "float32"):
     with LocalRing(model_dir, nodes, dtype=dtype) as ring:
+
         async def go():
             c = await ring.client()
             try:
@@ -320,4 +371,5 @@ def score_on_ring(model_dir, tokens: list[int], nodes: int, incremental: bool = 
             finally:
                 c.close()
             return torch.from_numpy(r.logits)
+
         return asyncio.run(go())

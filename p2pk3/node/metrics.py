@@ -12,6 +12,7 @@ daemon's loop does it again within 0.5 s when a takeover gives the daemon a new 
 is prometheus-client's (a thread); `handle.close()` is called on the daemon's loop. `memory_usage` is used
 by the daemon itself (its `status` carries it), so prometheus_client is imported only where it is used.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,6 +33,7 @@ def memory_usage(device: str = "cpu") -> dict:
     if str(device).startswith("cuda"):
         try:
             import torch
+
             free, total = torch.cuda.mem_get_info(torch.device(device))
             return {"kind": "cuda", "used": int(total - free), "total": int(total)}
         except Exception:  # noqa: BLE001 - no driver answer: say so, do not fail a status request
@@ -94,6 +96,7 @@ class DaemonCollector:
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
         try:
             snap = asyncio.run_coroutine_threadsafe(self._async_snapshot(), self.loop).result(self.timeout_s)
         except Exception as e:  # noqa: BLE001 - loop closed or too busy: an empty scrape, not a crash
@@ -116,7 +119,9 @@ class DaemonCollector:
         yield counter("p2pk3_tokens", "tokens this stage has computed (prefill and decode)", st.get("tokens", 0))
         yield counter("p2pk3_batches", "batches this stage has run", st.get("batches", 0))
         yield counter("p2pk3_busy_seconds", "seconds this stage spent computing", st.get("busy_s", 0.0))
-        yield gauge("p2pk3_busy_fraction", "compute time / wall time of this stage over the last 5 s", st.get("busy", 0.0))
+        yield gauge(
+            "p2pk3_busy_fraction", "compute time / wall time of this stage over the last 5 s", st.get("busy", 0.0)
+        )
         yield gauge("p2pk3_last_batch_seconds", "compute time of the last batch", st.get("last_batch_ms", 0.0) / 1000)
         yield gauge("p2pk3_sessions", "sessions with state in this stage's cache", st.get("sessions", 0))
         yield gauge("p2pk3_queue_depth", "work items waiting for this stage", st.get("queue", 0))
@@ -128,9 +133,12 @@ class DaemonCollector:
             yield gauge("p2pk3_memory_used_bytes", f"memory in use ({mem.get('kind')})", mem["used"])
         if mem.get("total") is not None:
             yield gauge("p2pk3_memory_total_bytes", f"memory in all ({mem.get('kind')})", mem["total"])
-        err = CounterMetricFamily("p2pk3_errors", "errors by kind: protocol (bad frames), batch (failed stage "
-                                  "batches), request (requests that ended in an error, entry only)",
-                                  labels=[*lab, "kind"])
+        err = CounterMetricFamily(
+            "p2pk3_errors",
+            "errors by kind: protocol (bad frames), batch (failed stage "
+            "batches), request (requests that ended in an error, entry only)",
+            labels=[*lab, "kind"],
+        )
         for kind, n in sorted(snap["errors"].items()):
             err.add_metric([*lv, kind], n)
         yield err
@@ -139,8 +147,9 @@ class DaemonCollector:
             yield counter("p2pk3_requests_finished", "requests the entry finished", st.get("finished", 0))
             yield gauge("p2pk3_paused", "1 while the entry holds requests back (a repair)", int(bool(st.get("paused"))))
         if snap["peers"]:
-            hop = GaugeMetricFamily("p2pk3_hop_latency_seconds", "heartbeat round trip to a peer slot",
-                                    labels=[*lab, "peer"])
+            hop = GaugeMetricFamily(
+                "p2pk3_hop_latency_seconds", "heartbeat round trip to a peer slot", labels=[*lab, "peer"]
+            )
             for peer, ms in sorted(snap["peers"].items()):
                 hop.add_metric([*lv, peer], ms / 1000)
             yield hop
@@ -166,10 +175,12 @@ def start_metrics(daemon, port: int, host: str = "0.0.0.0") -> MetricsHandle:
     """Serve `daemon`'s metrics on http://host:port/metrics (port 0: any free port, see `handle.port`).
     Call from the daemon's event loop. OSError when the port is taken."""
     from prometheus_client import CollectorRegistry, Histogram, start_http_server
+
     loop = asyncio.get_running_loop()
     registry = CollectorRegistry()
-    histogram = Histogram("p2pk3_batch_seconds", "compute time per stage batch", buckets=BATCH_BUCKETS,
-                          registry=registry)
+    histogram = Histogram(
+        "p2pk3_batch_seconds", "compute time per stage batch", buckets=BATCH_BUCKETS, registry=registry
+    )
     _observe(daemon.worker, histogram)
     registry.register(DaemonCollector(daemon, loop, histogram))
     server, thread = start_http_server(port, addr=host, registry=registry)

@@ -6,6 +6,7 @@ and then stops answering (killed, hung, cut off) turns DEAD; one never reached i
 makes it UP; a slot not probed yet (or just moved to another node: `moved`) is UNKNOWN. Changes go to `on_change(slot, PeerState)`. Detection time is at most
 heartbeat_s + dead_after_s after the last answer. The pong carries the peer's public statistics
 (node id, slot, epoch, role, sessions, ...), kept in `PeerState.info` for the entry and the dashboard."""
+
 from __future__ import annotations
 
 import asyncio
@@ -38,9 +39,17 @@ class PeerState:
 
 
 class Monitor:
-    def __init__(self, secret: bytes, node_id: str, targets: Callable[[], list[str]],
-                 resolve: Callable[[str], tuple[str, int]], *, heartbeat_s: float = 0.5, dead_after_s: float = 2.5,
-                 on_change: Callable[[str, PeerState], None] | None = None):
+    def __init__(
+        self,
+        secret: bytes,
+        node_id: str,
+        targets: Callable[[], list[str]],
+        resolve: Callable[[str], tuple[str, int]],
+        *,
+        heartbeat_s: float = 0.5,
+        dead_after_s: float = 2.5,
+        on_change: Callable[[str, PeerState], None] | None = None,
+    ):
         self.secret, self.node_id = secret, node_id
         self.targets, self.resolve = targets, resolve
         self.heartbeat_s, self.dead_after_s = heartbeat_s, dead_after_s
@@ -122,16 +131,16 @@ class Monitor:
                         info = parse_pong(f)
                     except ProtocolError as e:
                         raise ConnectionError(f"answered a ping with {f.kind!r}: {e}") from None
-                    self._mark(slot, UP, "answering", address=addr, rtt_ms=1000 * (time.perf_counter() - t0),
-                               info=info)
+                    self._mark(slot, UP, "answering", address=addr, rtt_ms=1000 * (time.perf_counter() - t0), info=info)
                     await asyncio.sleep(self.heartbeat_s)
                     if self.resolve(slot) != addr:  # the slot moved (takeover): watch the new holder
                         break
             except asyncio.TimeoutError:
                 self._mark(slot, DOWN, f"no answer for {t:.1f} s (hung or cut off)", address=addr)
             except DIAL_ERRORS as e:
-                self._mark(slot, DOWN, e.reason if isinstance(e, ConnectionClosed) else f"connection lost: {e}",
-                           address=addr)  # a ConnectionClosed says "connection lost: ..." itself
+                self._mark(
+                    slot, DOWN, e.reason if isinstance(e, ConnectionClosed) else f"connection lost: {e}", address=addr
+                )  # a ConnectionClosed says "connection lost: ..." itself
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # a bug must not silently end the watch

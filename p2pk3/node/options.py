@@ -1,4 +1,5 @@
 """`NodeOptions`: every tunable of a daemon in one place (the CLI fills it from `p2pk3 node` flags)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace

@@ -3,6 +3,7 @@
 A slot's address comes from, in order: a `route` announcement (a takeover moved the slot to another
 node; the highest epoch wins), the live claimant heard by discovery beacons, the topology's static
 address. One resolver for the successor link, the failure detector and the entry link."""
+
 from __future__ import annotations
 
 from typing import Any, Callable

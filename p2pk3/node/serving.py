@@ -2,6 +2,7 @@
 `cancel` stops a running request; a client that goes away cancels its requests. Each request runs as
 its own task, so the connection keeps being read while tokens stream (a `cancel` or a disconnect is
 seen at once) and one connection may carry several requests."""
+
 from __future__ import annotations
 
 import asyncio
@@ -38,8 +39,14 @@ class ClientRequests:
 
 
 class ClientService:
-    def __init__(self, entry: Entry, vocab_size: int, *, health: Callable[[], tuple[str, str] | None],
-                 stage_stats: Callable[[], dict]):
+    def __init__(
+        self,
+        entry: Entry,
+        vocab_size: int,
+        *,
+        health: Callable[[], tuple[str, str] | None],
+        stage_stats: Callable[[], dict],
+    ):
         self.entry, self.vocab_size = entry, vocab_size
         self.health = health  # () -> None when the ring can serve, else (ErrorCode, reason)
         self.stage_stats = stage_stats

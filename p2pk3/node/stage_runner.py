@@ -9,6 +9,7 @@ Sessions are versioned by `epoch`: a segment at position 0 with a newer epoch th
 (the entry replays a session after a failure) drops the old state and opens the session afresh; a
 segment of an older epoch is refused (`SessionError`).
 """
+
 from __future__ import annotations
 
 import time
@@ -152,8 +153,10 @@ class StageRunner:
         for s in work.segments:
             sid, held = str(s.session), self.epochs.get(str(s.session))
             if sid in seen:
-                raise SessionError(f"session {sid}: two units of one session in one batch; a stage runs a "
-                                   f"session's chunks one after the other, in position order")
+                raise SessionError(
+                    f"session {sid}: two units of one session in one batch; a stage runs a "
+                    f"session's chunks one after the other, in position order"
+                )
             seen.add(sid)
             if held is not None and s.epoch < held:
                 raise SessionError(f"session {sid}: epoch {s.epoch} is older than the stage's {held} (replayed)")
@@ -162,9 +165,11 @@ class StageRunner:
             elif held is not None and s.epoch > held:
                 raise SessionError(f"session {sid}: epoch {s.epoch} must restart at position 0, not {s.start_pos}")
             elif held is not None and self.cache.has(sid) and s.start_pos > self.cache.get(sid).length:
-                raise SessionError(f"session {sid}: a unit at position {s.start_pos} arrived before positions "
-                                   f"{self.cache.get(sid).length}..{s.start_pos - 1}; a stage runs one session's "
-                                   f"chunks in position order (a unit was lost or reordered on the way here)")
+                raise SessionError(
+                    f"session {sid}: a unit at position {s.start_pos} arrived before positions "
+                    f"{self.cache.get(sid).length}..{s.start_pos - 1}; a stage runs one session's "
+                    f"chunks in position order (a unit was lost or reordered on the way here)"
+                )
         opened = []
         try:
             for sid, epoch, held in opening:
@@ -182,9 +187,13 @@ class StageRunner:
     def _rollback(self, segments: list[Segment], opened: list[str]) -> None:
         """A segment that starts below what this stage holds of its session follows a verify pass whose
         tail was rejected: roll the session back to its start (checked for every segment first)."""
-        back = [(str(s.session), s.start_pos) for s in segments
-                if str(s.session) not in opened and self.cache.has(str(s.session))
-                and s.start_pos < self.cache.get(str(s.session)).length]
+        back = [
+            (str(s.session), s.start_pos)
+            for s in segments
+            if str(s.session) not in opened
+            and self.cache.has(str(s.session))
+            and s.start_pos < self.cache.get(str(s.session)).length
+        ]
         for sid, pos in back:
             self.cache.check_rollback(sid, pos)
         for sid, pos in back:
@@ -202,8 +211,13 @@ class StageRunner:
             spans = [Span(str(s.session), s.start_pos, s.n_tokens, verify=bool(s.draft)) for s in work.segments]
             want_all = self.plan.head and any(s.want_logits for s in work.segments)
             verify = self.plan.head and not want_all and any(s.draft for s in work.segments)
-            out = self.stage(spans, self.cache, tokens=work.tokens, hop=work.hop,
-                             logits="all" if want_all else "none" if verify else "last")
+            out = self.stage(
+                spans,
+                self.cache,
+                tokens=work.tokens,
+                hop=work.hop,
+                logits="all" if want_all else "none" if verify else "last",
+            )
         except Exception:
             for sid in opened:
                 self.free(sid)
@@ -236,10 +250,13 @@ class StageRunner:
 
     def spec_stats(self) -> dict:
         """Passes by batch width (count, EMA ms), verify segments by width, rollbacks, checkpoint bytes."""
-        return {"passes_by_width": {str(k): v for k, v in sorted(self.passes.items())},
-                "pass_ms_by_width": {str(k): round(v, 3) for k, v in sorted(self.pass_ms.items())},
-                "verify_segments_by_width": {str(k): v for k, v in sorted(self.verify_widths.items())},
-                "rollbacks": self.rollbacks, "checkpoint_bytes": self.cache.checkpoint_bytes()}
+        return {
+            "passes_by_width": {str(k): v for k, v in sorted(self.passes.items())},
+            "pass_ms_by_width": {str(k): round(v, 3) for k, v in sorted(self.pass_ms.items())},
+            "verify_segments_by_width": {str(k): v for k, v in sorted(self.verify_widths.items())},
+            "rollbacks": self.rollbacks,
+            "checkpoint_bytes": self.cache.checkpoint_bytes(),
+        }
 
     def _sample(self, segments: list[Segment], logits: torch.Tensor, all_rows: bool) -> HeadOut:
         results, rows = [], []
@@ -249,11 +266,11 @@ class StageRunner:
             last = logits[r + n - 1]
             pos = s.start_pos + s.n_tokens
             if s.want_logits:
-                rows.append(logits[r:r + n])
+                rows.append(logits[r : r + n])
                 results.append(Result(s.session, s.epoch, pos, int(torch.argmax(last)), rows=n))
             elif s.draft:  # verify: rows r .. r+n-1 are positions start_pos .. start_pos+k
                 try:
-                    acc, tok = verify_draft(logits[r:r + n], s.draft, s.sample, s.start_pos)
+                    acc, tok = verify_draft(logits[r : r + n], s.draft, s.sample, s.start_pos)
                     results.append(Result(s.session, s.epoch, s.start_pos + len(acc) + 1, tok, accepted=tuple(acc)))
                 except RuntimeError as e:  # as below: only this session fails
                     results.append(Result(s.session, s.epoch, pos, error=f"sampling failed: {e}", code="bad_request"))
@@ -262,8 +279,7 @@ class StageRunner:
                     results.append(Result(s.session, s.epoch, pos, sample_at(last, s.sample, pos)))
                 except RuntimeError as e:  # e.g. temperature 1e-300: inf/nan probabilities. Only this
                     # session fails (the batch is already committed, a rerun would fail its batch-mates)
-                    results.append(Result(s.session, s.epoch, pos, error=f"sampling failed: {e}",
-                                          code="bad_request"))
+                    results.append(Result(s.session, s.epoch, pos, error=f"sampling failed: {e}", code="bad_request"))
             else:  # a prefill chunk that is not the prompt's last: nothing to sample
                 results.append(Result(s.session, s.epoch, pos, skip=True))
             r += n
@@ -273,5 +289,6 @@ class StageRunner:
 def hop_frame(segments: list[Segment], hop: Hop, next_layer: int) -> Frame:
     bank = wire_tensor(hop.bank) if hop.bank.shape[0] else None
     partial = wire_tensor(hop.partial) if hop.partial is not None else None
-    return forward_frame(segments, wire_tensor(hop.prefix), bank, partial, layer=next_layer,
-                         mid_moe=hop.partial is not None)
+    return forward_frame(
+        segments, wire_tensor(hop.prefix), bank, partial, layer=next_layer, mid_moe=hop.partial is not None
+    )

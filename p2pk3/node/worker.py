@@ -15,6 +15,7 @@ What runs next (docs/architecture.md, "The scheduler"):
   last unit, and they are passed on behind the outputs of the work before them.
 
 Busy fraction (compute time / wall time) over the last seconds is `busy_fraction()`, in the status."""
+
 from __future__ import annotations
 
 import asyncio
@@ -105,10 +106,18 @@ class BusyMeter:
 
 
 class StageWorker:
-    def __init__(self, runner: StageRunner, executor: Executor, *, slot: str, max_batch_tokens: int,
-                 emit: Callable[[list[Segment], HopOut | HeadOut], Awaitable[None]],
-                 report: Callable[[list[Result]], Awaitable[None]],
-                 pass_free: Callable[[Free], Awaitable[None]], first: bool = False):
+    def __init__(
+        self,
+        runner: StageRunner,
+        executor: Executor,
+        *,
+        slot: str,
+        max_batch_tokens: int,
+        emit: Callable[[list[Segment], HopOut | HeadOut], Awaitable[None]],
+        report: Callable[[list[Result]], Awaitable[None]],
+        pass_free: Callable[[Free], Awaitable[None]],
+        first: bool = False,
+    ):
         self.runner, self.executor, self.slot = runner, executor, slot
         self.max_batch_tokens = max_batch_tokens
         self.emit, self.report, self.pass_free = emit, report, pass_free
@@ -123,8 +132,10 @@ class StageWorker:
         self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._loop(), name=f"stage-{self.slot}"),
-                       asyncio.create_task(self._send_loop(), name=f"stage-{self.slot}-send")]
+        self._tasks = [
+            asyncio.create_task(self._loop(), name=f"stage-{self.slot}"),
+            asyncio.create_task(self._send_loop(), name=f"stage-{self.slot}-send"),
+        ]
 
     def stop(self) -> None:
         for t in self._tasks:
@@ -181,8 +192,12 @@ class StageWorker:
         taken, seen, blocked, n = [], set(), set(), 0
         for i, w in enumerate(queued):
             sids = {str(s.session) for s in w.segments}
-            if decode[i] != want or sids & (seen | blocked) or (taken and n + w.n_tokens > self.max_batch_tokens) \
-                    or (taken and (w.tokens is None) != (queued[taken[0]].tokens is None)):
+            if (
+                decode[i] != want
+                or sids & (seen | blocked)
+                or (taken and n + w.n_tokens > self.max_batch_tokens)
+                or (taken and (w.tokens is None) != (queued[taken[0]].tokens is None))
+            ):
                 blocked |= sids  # its later units must not overtake it
                 continue
             taken.append(i)

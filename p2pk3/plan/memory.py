@@ -5,6 +5,7 @@ Weights are grouped by tensor class; each class is stored as shipped or in the f
 mxfp4 0.5 B + one scale per 32, the routed experts as shipped). Every byte is counted by
 p2pk3/topology/sizing.py (the topology memory check adds up the same items); this module lays them out as a
 table and prices a stage's reads for the planner and the simulator."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,8 +14,7 @@ from typing import Mapping
 from p2pk3.model.config import K3Config
 from p2pk3.quant.formats import BYTES_PER_PARAM
 from p2pk3.topology.plans import SlotPlan
-from p2pk3.topology.sizing import (formats_key, kda_state_bytes, mla_token_bytes, part_items, runtime_items,
-                                   weight_items)
+from p2pk3.topology.sizing import formats_key, kda_state_bytes, mla_token_bytes, part_items, runtime_items, weight_items
 from p2pk3.topology.specs import GiB, MemorySpec
 
 
@@ -48,15 +48,18 @@ class MemoryTable:
         return r + self.runtime
 
     def render(self) -> str:
-        lines = [f"{self.slot}: {self.total / GiB:.2f} GiB of {self.capacity / GiB:.2f} GiB "
-                 f"({self.free / GiB:+.2f} GiB free)"]
+        lines = [
+            f"{self.slot}: {self.total / GiB:.2f} GiB of {self.capacity / GiB:.2f} GiB "
+            f"({self.free / GiB:+.2f} GiB free)"
+        ]
         for item, detail, b in self.rows():
             lines.append(f"  {item:34s} {detail:34s} {b / GiB:9.3f} GiB")
         return "\n".join(lines)
 
 
-def memory_table(cfg: K3Config, plan: SlotPlan, memory: MemorySpec, capacity_gib: float,
-                 formats: Mapping[str, str] | None = None) -> MemoryTable:
+def memory_table(
+    cfg: K3Config, plan: SlotPlan, memory: MemorySpec, capacity_gib: float, formats: Mapping[str, str] | None = None
+) -> MemoryTable:
     """The card's table: `sizing.weight_items` (weights by class and format) + `sizing.runtime_items`."""
     t = MemoryTable(plan.slot, int(capacity_gib * GiB))
     t.weights = weight_items(cfg, plan, formats)
@@ -108,14 +111,19 @@ def stage_traffic(cfg: K3Config, plan: SlotPlan, formats: Mapping[str, str] | No
             one_items = part_items(cfg, lp.layer, "expert", True, fkey)
             one = sum(b for _, b in one_items)
             experts.append((len(lp.experts), one, cfg.num_experts, cfg.num_experts_per_token))
-            params += len(lp.experts) / cfg.num_experts * cfg.num_experts_per_token * \
-                sum(b / _bpp(f) for (_, f), b in one_items)
+            params += (
+                len(lp.experts)
+                / cfg.num_experts
+                * cfg.num_experts_per_token
+                * sum(b / _bpp(f) for (_, f), b in one_items)
+            )
     if plan.head:
         add(part_items(cfg, 0, "head", True, fkey))
     hop = plan.hop_bytes_per_token_out(cfg, 2)
     partial = cfg.expert_width * 4 if plan.exits_mid_moe else 0
-    return StageTraffic(dense, experts, n_kda * 2 * kda_state_bytes(cfg), n_mla * mla_token_bytes(cfg), params,
-                        hop, partial)
+    return StageTraffic(
+        dense, experts, n_kda * 2 * kda_state_bytes(cfg), n_mla * mla_token_bytes(cfg), params, hop, partial
+    )
 
 
 def _bpp(label: str) -> float:

@@ -12,6 +12,7 @@
     port = 47920
 
 Cards keep the file's order: that is the ring order."""
+
 from __future__ import annotations
 
 import tomllib
@@ -68,8 +69,10 @@ def parse_nodes(d: dict[str, Any], source: str = "NODES.toml") -> list[Card]:
         mem = r.get("gpu_memory_gb")
         gpu = r.get("gpu")
         if gpu is not None and gpu not in sheet:
-            errs.append(f"{where}: unknown gpu {gpu!r} (datasheet knows {', '.join(sorted(sheet))}); "
-                        f"give memory_bandwidth_gbs instead")
+            errs.append(
+                f"{where}: unknown gpu {gpu!r} (datasheet knows {', '.join(sorted(sheet))}); "
+                f"give memory_bandwidth_gbs instead"
+            )
             gpu = None
         if mem is None and gpu:
             mem = sheet[gpu]["usable_memory_gib"]
@@ -99,9 +102,19 @@ def parse_nodes(d: dict[str, Any], source: str = "NODES.toml") -> list[Card]:
             if cid in seen:
                 errs.append(f"duplicate card name {cid!r}: give each [[nodes]] entry its own name")
             seen.add(cid)
-            cards.append(Card(cid, name, float(mem), float(bw) if bw else None, float(link) if link else None,
-                              bool(r.get("standby", False)), host, (port + k) if port is not None else None,
-                              src if bw else ""))
+            cards.append(
+                Card(
+                    cid,
+                    name,
+                    float(mem),
+                    float(bw) if bw else None,
+                    float(link) if link else None,
+                    bool(r.get("standby", False)),
+                    host,
+                    (port + k) if port is not None else None,
+                    src if bw else "",
+                )
+            )
     if errs:
         raise NodesError(f"{source}: " + "; ".join(errs))
     return cards

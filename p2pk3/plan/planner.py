@@ -15,6 +15,7 @@ greedily (each takes the longest run of units that fits its memory and T) covers
 binary search on T over an exact feasibility test (the greedy is optimal for contiguous pieces in a fixed
 order, because taking more units never makes the rest harder). At that pace a second search finds the
 smallest uniform fill of the cards' memory that still covers the model, so free memory is spread evenly."""
+
 from __future__ import annotations
 
 import bisect
@@ -25,8 +26,15 @@ import numpy as np
 from p2pk3.model.config import K3Config
 from p2pk3.quant.formats import TENSOR_CLASSES, parse_formats
 from p2pk3.topology import ClusterSpec, MemorySpec, ModelSpec, Slot, Topology
-from p2pk3.topology.sizing import (formats_key, kda_state_bytes, logits_bytes, mla_cache_bytes, mla_token_bytes,
-                                   part_items, workspace_bytes)
+from p2pk3.topology.sizing import (
+    formats_key,
+    kda_state_bytes,
+    logits_bytes,
+    mla_cache_bytes,
+    mla_token_bytes,
+    part_items,
+    workspace_bytes,
+)
 from p2pk3.topology.specs import DEFAULT_BEACON_PORT, GiB
 
 from .memory import memory_table, stage_traffic
@@ -39,8 +47,11 @@ class PlanError(ValueError):
 
 def no_bandwidth_hint() -> str:
     from p2pk3.sim.hardware import datasheet
-    return (f"give each [[nodes]] entry memory_bandwidth_gbs (GB/s) or gpu = a datasheet card "
-            f"({', '.join(sorted(datasheet()))}) for a pace in ms")
+
+    return (
+        f"give each [[nodes]] entry memory_bandwidth_gbs (GB/s) or gpu = a datasheet card "
+        f"({', '.join(sorted(datasheet()))}) for a pace in ms"
+    )
 
 
 @dataclass
@@ -60,10 +71,14 @@ class Plan:
 
     def pace_line(self) -> str:
         if self.timed:
-            return (f"pace (slowest stage) {self.pace_ms:.3f} ms/token, "
-                    f"sum of stages {sum(self.stage_ms.values()):.1f} ms/token")
-        return (f"pace not predicted: no memory bandwidth known ({no_bandwidth_hint()}); balanced by bytes read per "
-                f"token, slowest stage {max(self.stage_bytes.values()) / 2**20:.1f} MiB/token")
+            return (
+                f"pace (slowest stage) {self.pace_ms:.3f} ms/token, "
+                f"sum of stages {sum(self.stage_ms.values()):.1f} ms/token"
+            )
+        return (
+            f"pace not predicted: no memory bandwidth known ({no_bandwidth_hint()}); balanced by bytes read per "
+            f"token, slowest stage {max(self.stage_bytes.values()) / 2**20:.1f} MiB/token"
+        )
 
     def summary(self) -> str:
         t = self.topology
@@ -71,19 +86,25 @@ class Plan:
         col = "stage ms" if self.timed else "MiB/tok"
         lines = [f"{len(act)} active slots + {len(t.standby)} standby; {self.pace_line()}"]
         if self.timed:
-            bws = {c.kind: f"{c.kind} {c.bandwidth_gbs:g} GB/s ({c.bandwidth_source.split(':')[0]})"
-                   for c in self.cards if c.bandwidth_gbs}
+            bws = {
+                c.kind: f"{c.kind} {c.bandwidth_gbs:g} GB/s ({c.bandwidth_source.split(':')[0]})"
+                for c in self.cards
+                if c.bandwidth_gbs
+            }
             lines.append("memory bandwidth: " + ", ".join(bws.values()))
-        lines.append(f"{'slot':12s} {'card':10s} {'layers':18s} {'weights':>9s} {'runtime':>9s} {'total':>9s} "
-                     f"{'of':>7s}  {col:>8s}")
+        lines.append(
+            f"{'slot':12s} {'card':10s} {'layers':18s} {'weights':>9s} {'runtime':>9s} {'total':>9s} "
+            f"{'of':>7s}  {col:>8s}"
+        )
         kinds = {c.id: c.kind for c in self.cards}
         for s in act:
             tb = self.tables[s.id]
             lay = f"{s.layers[0]}-{s.layers[1]}" + (" (split)" if s.experts else "")
-            lines.append(f"{s.id:12s} {kinds.get(s.id, '?'):10s} {lay:18s} {tb.weight_total / GiB:9.2f} "
-                         f"{tb.runtime_total / GiB:9.2f} {tb.total / GiB:9.2f} {tb.capacity / GiB:7.1f}  "
-                         + (f"{self.stage_ms[s.id]:8.3f}" if self.timed
-                            else f"{self.stage_bytes[s.id] / 2**20:8.1f}"))
+            lines.append(
+                f"{s.id:12s} {kinds.get(s.id, '?'):10s} {lay:18s} {tb.weight_total / GiB:9.2f} "
+                f"{tb.runtime_total / GiB:9.2f} {tb.total / GiB:9.2f} {tb.capacity / GiB:7.1f}  "
+                + (f"{self.stage_ms[s.id]:8.3f}" if self.timed else f"{self.stage_bytes[s.id] / 2**20:8.1f}")
+            )
         for s in t.standby:
             lines.append(f"{s.id:12s} {kinds.get(s.id, '?'):10s} standby (hot spare, {s.gpu_memory_gb:g} GiB)")
         return "\n".join(lines)
@@ -148,9 +169,16 @@ def _units(cfg: K3Config, memory: MemorySpec, formats: dict[str, str]) -> _Units
     rd[-1] += head
     n = len(mem)
     ends = [u for u in range(1, n) if exp[u] == -1 or exp[u] >= 1] + [n]
-    return _Units(np.concatenate([[0], np.cumsum(np.array(mem, dtype=np.float64))]),
-                  np.concatenate([[0], np.cumsum(np.array(rd, dtype=np.float64))]), lay, exp, cont_mem, cont_rd,
-                  ends, logits)
+    return _Units(
+        np.concatenate([[0], np.cumsum(np.array(mem, dtype=np.float64))]),
+        np.concatenate([[0], np.cumsum(np.array(rd, dtype=np.float64))]),
+        lay,
+        exp,
+        cont_mem,
+        cont_rd,
+        ends,
+        logits,
+    )
 
 
 def _corr(U: _Units, a: int) -> tuple[int, int]:
@@ -196,15 +224,28 @@ def _card_inputs(cards: list[Card]) -> tuple[list[float], list[float], bool]:
         return caps, [1.0] * len(cards), False  # balance by bytes
     missing = [c.id for c in cards if c.bandwidth_gbs is None]
     if missing:
-        raise PlanError(f"memory bandwidth unknown for {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} "
-                        f"while other cards give one: {no_bandwidth_hint()} in NODES.toml")
+        raise PlanError(
+            f"memory bandwidth unknown for {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} "
+            f"while other cards give one: {no_bandwidth_hint()} in NODES.toml"
+        )
     return caps, [b * 1e9 for b in known], True
 
 
-def plan_ring(cfg: K3Config, cards: list[Card], *, memory: MemorySpec | None = None, formats: dict | None = None,
-              standby: int = 0, stage_overhead_us: float = 80.0, name: str = "cluster", preset: str | None = None,
-              model_path: str | None = None, repo: str | None = None, secret_file: str | None = "cluster.key",
-              suggest: bool = True) -> Plan:
+def plan_ring(
+    cfg: K3Config,
+    cards: list[Card],
+    *,
+    memory: MemorySpec | None = None,
+    formats: dict | None = None,
+    standby: int = 0,
+    stage_overhead_us: float = 80.0,
+    name: str = "cluster",
+    preset: str | None = None,
+    model_path: str | None = None,
+    repo: str | None = None,
+    secret_file: str | None = "cluster.key",
+    suggest: bool = True,
+) -> Plan:
     """Plan a ring over `cards` (ring order). `standby` more cards (the largest, from the end of the list)
     become hot spares besides those marked standby. Raises PlanError naming the shortfall and what would fit."""
     memory = memory or MemorySpec()
@@ -224,8 +265,9 @@ def plan_ring(cfg: K3Config, cards: list[Card], *, memory: MemorySpec | None = N
     U = _units(cfg, memory, formats)
     const = workspace_bytes(cfg, memory.prefill_chunk) + memory.overhead_gb * GiB
     if len(active) > len(U.ends):
-        raise PlanError(f"{len(active)} active cards but the model has only {len(U.ends)} pieces: use fewer cards "
-                        f"or more standby")
+        raise PlanError(
+            f"{len(active)} active cards but the model has only {len(U.ends)} pieces: use fewer cards or more standby"
+        )
     cuts = _greedy(U, caps, bws, const, None)
     if cuts is None:
         raise PlanError(_refusal(cfg, active, memory, formats, U, caps, const, suggest))
@@ -253,18 +295,30 @@ def plan_ring(cfg: K3Config, cards: list[Card], *, memory: MemorySpec | None = N
     for c in cards:
         if c.id in spare_ids:
             slots.append(Slot(c.id, None, c.gpu_memory_gb, c.host, c.port, standby=True))
-    topo = Topology(ClusterSpec(name, secret_file),
-                    ModelSpec(path=model_path, repo=repo, preset=preset, formats=dict(formats)), slots,
-                    MemorySpec(sessions=memory.sessions, context=memory.context, prefill_chunk=memory.prefill_chunk,
-                               overhead_gb=memory.overhead_gb, given=True))  # nodes size their caches by it
+    topo = Topology(
+        ClusterSpec(name, secret_file),
+        ModelSpec(path=model_path, repo=repo, preset=preset, formats=dict(formats)),
+        slots,
+        MemorySpec(
+            sessions=memory.sessions,
+            context=memory.context,
+            prefill_chunk=memory.prefill_chunk,
+            overhead_gb=memory.overhead_gb,
+            given=True,
+        ),
+    )  # nodes size their caches by it
     plan = Plan(topo, cards, formats=formats, timed=timed)
     bw_of = {c.id: b for c, b in zip(active, bws)}
     for s in topo.active:
         sp = topo.slot_plan(s, cfg)
         plan.tables[s.id] = memory_table(cfg, sp, topo.memory, s.gpu_memory_gb, formats)
         tr = stage_traffic(cfg, sp, formats)
-        rd = sum(tr.dense.values()) + sum(h * one * kk / e for h, one, e, kk in tr.experts) + tr.kda_state \
+        rd = (
+            sum(tr.dense.values())
+            + sum(h * one * kk / e for h, one, e, kk in tr.experts)
+            + tr.kda_state
             + tr.mla_per_ctx_token * memory.context
+        )
         plan.stage_bytes[s.id] = rd
         if timed:
             plan.stage_ms[s.id] = (rd / bw_of[s.id] + stage_overhead_us * 1e-6) * 1e3
@@ -275,12 +329,26 @@ def plan_ring(cfg: K3Config, cards: list[Card], *, memory: MemorySpec | None = N
     return plan
 
 
-def balanced_split(cfg: K3Config, n_slots: int, *, gpu_memory_gb: float, name: str = "cluster",
-                   ids: list[str] | None = None, host: str | None = None, base_port: int | None = None,
-                   n_standby: int = 0, standby_ids: list[str] | None = None, preset: str | None = None,
-                   model_path: str | None = None, repo: str | None = None, revision: str | None = None,
-                   secret_file: str | None = None, beacon_port: int = DEFAULT_BEACON_PORT,
-                   memory: MemorySpec | None = None, formats: dict | str | None = None) -> Topology:
+def balanced_split(
+    cfg: K3Config,
+    n_slots: int,
+    *,
+    gpu_memory_gb: float,
+    name: str = "cluster",
+    ids: list[str] | None = None,
+    host: str | None = None,
+    base_port: int | None = None,
+    n_standby: int = 0,
+    standby_ids: list[str] | None = None,
+    preset: str | None = None,
+    model_path: str | None = None,
+    repo: str | None = None,
+    revision: str | None = None,
+    secret_file: str | None = None,
+    beacon_port: int = DEFAULT_BEACON_PORT,
+    memory: MemorySpec | None = None,
+    formats: dict | str | None = None,
+) -> Topology:
     """`n_slots` equal slots of `gpu_memory_gb` (+ `n_standby` spares), cut by `plan_ring` with no bandwidth
     known: balanced by the bytes each reads per token, MoE layers split by experts where a cut falls inside
     one, the memory left over spread evenly (`p2pk3 topology init --split experts`). Slot i gets port
@@ -290,11 +358,28 @@ def balanced_split(cfg: K3Config, n_slots: int, *, gpu_memory_gb: float, name: s
     ids = ids or [f"s{i}" for i in range(n_slots)]
     sids = standby_ids or [f"spare{j}" for j in range(n_standby)]
     addr = host is not None and base_port is not None
-    cards = [Card(sid, "slot", gpu_memory_gb, host=host if addr else None, port=base_port + i if addr else None,
-                  standby=i >= n_slots)
-             for i, sid in enumerate([*ids[:n_slots], *sids[:n_standby]])]
-    topo = plan_ring(cfg, cards, memory=memory, formats=formats, name=name, preset=preset, model_path=model_path,
-                     repo=repo, secret_file=secret_file).topology
+    cards = [
+        Card(
+            sid,
+            "slot",
+            gpu_memory_gb,
+            host=host if addr else None,
+            port=base_port + i if addr else None,
+            standby=i >= n_slots,
+        )
+        for i, sid in enumerate([*ids[:n_slots], *sids[:n_standby]])
+    ]
+    topo = plan_ring(
+        cfg,
+        cards,
+        memory=memory,
+        formats=formats,
+        name=name,
+        preset=preset,
+        model_path=model_path,
+        repo=repo,
+        secret_file=secret_file,
+    ).topology
     topo.model.revision = revision
     topo.cluster.beacon_port = beacon_port
     return topo
@@ -336,13 +421,17 @@ def _refusal(cfg, active, memory, formats, U, caps, const, suggest: bool) -> str
     short = need - have
     biggest = max(np.diff(U.mem))
     if short > 0:
-        head = (f"the model does not fit: it needs about {need / GiB:.1f} GiB (weights, caches for "
-                f"{memory.sessions} sessions x {memory.context} tokens, workspace, CUDA reserve) but the "
-                f"{len(active)} active cards have {have / GiB:.1f} GiB: short by {short / GiB:.1f} GiB")
+        head = (
+            f"the model does not fit: it needs about {need / GiB:.1f} GiB (weights, caches for "
+            f"{memory.sessions} sessions x {memory.context} tokens, workspace, CUDA reserve) but the "
+            f"{len(active)} active cards have {have / GiB:.1f} GiB: short by {short / GiB:.1f} GiB"
+        )
     else:
-        head = (f"the model does not fit on these cards even though the total memory would ({need / GiB:.1f} of "
-                f"{have / GiB:.1f} GiB): the largest indivisible piece needs {(biggest + const) / GiB:.1f} GiB with "
-                f"workspace, or the pieces cannot be packed in ring order")
+        head = (
+            f"the model does not fit on these cards even though the total memory would ({need / GiB:.1f} of "
+            f"{have / GiB:.1f} GiB): the largest indivisible piece needs {(biggest + const) / GiB:.1f} GiB with "
+            f"workspace, or the pieces cannot be packed in ring order"
+        )
     if not suggest:
         return head
     opts = []
@@ -351,8 +440,12 @@ def _refusal(cfg, active, memory, formats, U, caps, const, suggest: bool) -> str
         lo, hi = 0, m.sessions - 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if _fits(cfg, active, MemorySpec(sessions=mid, context=m.context, prefill_chunk=m.prefill_chunk,
-                                             overhead_gb=m.overhead_gb), formats):
+            if _fits(
+                cfg,
+                active,
+                MemorySpec(sessions=mid, context=m.context, prefill_chunk=m.prefill_chunk, overhead_gb=m.overhead_gb),
+                formats,
+            ):
                 lo = mid
             else:
                 hi = mid - 1
@@ -362,8 +455,14 @@ def _refusal(cfg, active, memory, formats, U, caps, const, suggest: bool) -> str
         lo, hi = 0, m.context // 1024 - 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if _fits(cfg, active, MemorySpec(sessions=m.sessions, context=mid * 1024, prefill_chunk=m.prefill_chunk,
-                                               overhead_gb=m.overhead_gb), formats):
+            if _fits(
+                cfg,
+                active,
+                MemorySpec(
+                    sessions=m.sessions, context=mid * 1024, prefill_chunk=m.prefill_chunk, overhead_gb=m.overhead_gb
+                ),
+                formats,
+            ):
                 lo = mid
             else:
                 hi = mid - 1
@@ -379,8 +478,14 @@ def _refusal(cfg, active, memory, formats, U, caps, const, suggest: bool) -> str
         lo, hi = -1, int(m.overhead_gb / 0.05 + 1e-9) - 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if _fits(cfg, active, MemorySpec(sessions=m.sessions, context=m.context, prefill_chunk=m.prefill_chunk,
-                                               overhead_gb=mid * 0.05), formats):
+            if _fits(
+                cfg,
+                active,
+                MemorySpec(
+                    sessions=m.sessions, context=m.context, prefill_chunk=m.prefill_chunk, overhead_gb=mid * 0.05
+                ),
+                formats,
+            ):
                 lo = mid
             else:
                 hi = mid - 1
@@ -388,20 +493,21 @@ def _refusal(cfg, active, memory, formats, U, caps, const, suggest: bool) -> str
             opts.append(f"--overhead-gb {lo * 0.05:.2f} (the CUDA reserve per card, now {m.overhead_gb:g} GiB)")
     big = max(active, key=lambda c: c.gpu_memory_gb)
     for extra in range(1, 4 * len(active) + 64):
-        more = active + [Card(f"{big.kind}-extra{j}", big.kind, big.gpu_memory_gb, big.bandwidth_gbs)
-                         for j in range(extra)]
+        more = active + [
+            Card(f"{big.kind}-extra{j}", big.kind, big.gpu_memory_gb, big.bandwidth_gbs) for j in range(extra)
+        ]
         if _fits(cfg, more, m, formats):
-            opts.append(f"{extra} more card{'s' if extra > 1 else ''} of kind {big.kind!r} "
-                        f"({big.gpu_memory_gb:g} GiB)")
+            opts.append(f"{extra} more card{'s' if extra > 1 else ''} of kind {big.kind!r} ({big.gpu_memory_gb:g} GiB)")
             break
     if biggest + const > max(caps):
         l = U.layer[int(np.argmax(np.diff(U.mem)))]
         work = workspace_bytes(cfg, memory.prefill_chunk)
-        head += (f"; layer {l}'s largest indivisible piece needs {(biggest + const) / GiB:.2f} GiB (its attention "
-                 f"and caches {biggest / GiB:.2f} + prefill workspace {work / GiB:.2f} + CUDA reserve "
-                 f"{memory.overhead_gb:.2f}, --overhead-gb), more than the largest card ({max(caps) / GiB:.2f} GiB), "
-                 f"so more cards cannot help")
+        head += (
+            f"; layer {l}'s largest indivisible piece needs {(biggest + const) / GiB:.2f} GiB (its attention "
+            f"and caches {biggest / GiB:.2f} + prefill workspace {work / GiB:.2f} + CUDA reserve "
+            f"{memory.overhead_gb:.2f}, --overhead-gb), more than the largest card ({max(caps) / GiB:.2f} GiB), "
+            f"so more cards cannot help"
+        )
     if not opts:
         return head + "; nothing simple makes it fit (larger cards, fewer sessions or a shorter context)"
     return head + ". It would fit with any one of: " + "; ".join(opts)
-

@@ -5,6 +5,7 @@
 loaded stage for `MXLinear` (packed weights, the matmul through ``p2pk3_kernels.ops.mx_linear``, Triton
 or torch). With every class at ``bf16`` (the default) nothing is touched: outputs stay bit-identical.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -17,11 +18,28 @@ import torch
 import torch.nn as nn
 
 from .formats import FormatError, class_of, format_spec, parse_formats
-from .mxfp4 import (E4M3_EMAX, E4M3_MAX, MX_BLOCK, MXFP4Error, _E8M0_VALUES, _floor_log2, dequantize_mxfp4,
-                    e8m0_to_float, quantize_mxfp4)
+from .mxfp4 import (
+    E4M3_EMAX,
+    E4M3_MAX,
+    MX_BLOCK,
+    MXFP4Error,
+    _E8M0_VALUES,
+    _floor_log2,
+    dequantize_mxfp4,
+    e8m0_to_float,
+    quantize_mxfp4,
+)
 
-__all__ = ["quantize_mxfp8", "dequantize_mxfp8", "quantize_weight", "dequantize_weight", "MXLinear", "apply_formats",
-           "ApplyStats", "source_fingerprint"]
+__all__ = [
+    "quantize_mxfp8",
+    "dequantize_mxfp8",
+    "quantize_weight",
+    "dequantize_weight",
+    "MXLinear",
+    "apply_formats",
+    "ApplyStats",
+    "source_fingerprint",
+]
 
 
 # ------------------------------------------------------------------------------------------- MXFP8
@@ -42,8 +60,11 @@ def quantize_mxfp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise MXFP4Error(f"cannot quantize non-finite values ({int((~torch.isfinite(x)).sum())} of {x.numel()})")
     blocks = x.reshape(*x.shape[:-1], x.shape[-1] // MX_BLOCK, MX_BLOCK)
     amax = blocks.abs().amax(dim=-1)
-    exp = torch.where(amax > 0, _floor_log2(torch.where(amax > 0, amax, torch.ones_like(amax))) - E4M3_EMAX,
-                      torch.full_like(amax, -127, dtype=torch.int32)).clamp(min=-127)
+    exp = torch.where(
+        amax > 0,
+        _floor_log2(torch.where(amax > 0, amax, torch.ones_like(amax))) - E4M3_EMAX,
+        torch.full_like(amax, -127, dtype=torch.int32),
+    ).clamp(min=-127)
     inv = _E8M0_VALUES.to(x.device)[(127 - exp).clamp(max=254).long()].unsqueeze(-1)
     q = (blocks * inv).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q.view(torch.uint8).reshape(x.shape), (exp + 127).to(torch.uint8)
@@ -54,8 +75,10 @@ def dequantize_mxfp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = 
     if q.dtype != torch.uint8 or scale.dtype != torch.uint8:
         raise MXFP4Error(f"MXFP8 data and scales must be uint8, got {q.dtype} and {scale.dtype}")
     if q.shape[:-1] != scale.shape[:-1] or scale.shape[-1] * MX_BLOCK != q.shape[-1]:
-        raise MXFP4Error(f"MXFP8 shape mismatch: data {tuple(q.shape)} needs scales "
-                         f"{tuple(q.shape[:-1]) + (q.shape[-1] // MX_BLOCK,)}, got {tuple(scale.shape)}")
+        raise MXFP4Error(
+            f"MXFP8 shape mismatch: data {tuple(q.shape)} needs scales "
+            f"{tuple(q.shape[:-1]) + (q.shape[-1] // MX_BLOCK,)}, got {tuple(scale.shape)}"
+        )
     v = q.view(torch.float8_e4m3fn).float().view(*scale.shape, MX_BLOCK) * e8m0_to_float(scale).unsqueeze(-1)
     return v.view(q.shape).to(dtype)
 
@@ -69,8 +92,13 @@ def quantize_weight(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tens
     raise FormatError(f"cannot quantize to {fmt!r} (quantized formats: mxfp8, mxfp4)")
 
 
-def dequantize_weight(data: torch.Tensor, scale: torch.Tensor, fmt: str, in_features: int | None = None,
-                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_weight(
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    fmt: str,
+    in_features: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """Inverse of `quantize_weight` (exact): [out, in_features] (the padding cut off) in `dtype`."""
     w = dequantize_mxfp8(data, scale) if fmt == "mxfp8" else dequantize_mxfp4(data, scale)
     return (w if in_features is None else w[..., :in_features]).to(dtype)
@@ -89,8 +117,10 @@ class MXLinear(nn.Module):
         kp = -(-in_features // MX_BLOCK) * MX_BLOCK
         want = (out_features, kp if fmt == "mxfp8" else kp // 2)
         if tuple(data.shape) != want or tuple(scale.shape) != (out_features, kp // MX_BLOCK):
-            raise FormatError(f"MXLinear {fmt} [{out_features}, {in_features}]: data {tuple(data.shape)} / scale "
-                              f"{tuple(scale.shape)}, expected {want} / {(out_features, kp // MX_BLOCK)}")
+            raise FormatError(
+                f"MXLinear {fmt} [{out_features}, {in_features}]: data {tuple(data.shape)} / scale "
+                f"{tuple(scale.shape)}, expected {want} / {(out_features, kp // MX_BLOCK)}"
+            )
         self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
         self.register_buffer("data", data.contiguous())
         self.register_buffer("scale", scale.contiguous())
@@ -114,6 +144,7 @@ class MXLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from p2pk3_kernels import ops
+
         lead = x.shape[:-1]
         y = ops.mx_linear(x.reshape(-1, x.shape[-1]), self.data, self.scale, self.fmt)
         return y.reshape(*lead, self.out_features)
@@ -132,8 +163,9 @@ class ApplyStats(dict):
 
 def _cache_key(stage: nn.Module, formats: Mapping[str, str], source: str | None) -> str:
     names = sorted(n for n, m in stage.named_modules() if isinstance(m, nn.Linear))
-    blob = json.dumps({"formats": format_spec(formats), "linears": names, "source": source or "",
-                       "v": 1}, sort_keys=True)
+    blob = json.dumps(
+        {"formats": format_spec(formats), "linears": names, "source": source or "", "v": 1}, sort_keys=True
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -144,8 +176,13 @@ def source_fingerprint(model_dir: str | os.PathLike) -> str:
     return ";".join(parts)
 
 
-def apply_formats(stage: nn.Module, formats: Mapping[str, str] | str | None, *,
-                  cache: str | os.PathLike | None = None, source: str | None = None) -> ApplyStats:
+def apply_formats(
+    stage: nn.Module,
+    formats: Mapping[str, str] | str | None,
+    *,
+    cache: str | os.PathLike | None = None,
+    source: str | None = None,
+) -> ApplyStats:
     """Re-quantize the chosen tensor classes of a loaded stage in place (each chosen nn.Linear becomes an
     MXLinear). `cache`: a .safetensors file for the converted tensors: read when it exists and was written for
     the same formats, modules and `source` (see `source_fingerprint`), written otherwise. Returns ApplyStats."""
@@ -165,15 +202,22 @@ def apply_formats(stage: nn.Module, formats: Mapping[str, str] | str | None, *,
             if cls is None or fm.get(cls, "bf16") == "bf16":
                 continue
             todo.append((mod, cname, path, cls, child))
-    if "lm_head" in fm and fm["lm_head"] != "bf16" and getattr(getattr(stage, "cfg", None), "tie_word_embeddings", False):
-        raise FormatError("lm_head is tied to the embeddings (tie_word_embeddings): it is a gather table and "
-                          "cannot be re-quantized; drop lm_head from formats")
+    if (
+        "lm_head" in fm
+        and fm["lm_head"] != "bf16"
+        and getattr(getattr(stage, "cfg", None), "tie_word_embeddings", False)
+    ):
+        raise FormatError(
+            "lm_head is tied to the embeddings (tie_word_embeddings): it is a gather table and "
+            "cannot be re-quantized; drop lm_head from formats"
+        )
     if not todo:
         return stats
     key = _cache_key(stage, fm, source)
     loaded: dict[str, torch.Tensor] = {}
     if cache is not None and Path(cache).exists():
         from safetensors import safe_open
+
         with safe_open(str(cache), framework="pt") as f:
             if (f.metadata() or {}).get("p2pk3_formats_key") == key:
                 loaded = {k: f.get_tensor(k) for k in f.keys()}
@@ -196,9 +240,13 @@ def apply_formats(stage: nn.Module, formats: Mapping[str, str] | str | None, *,
         s["bytes_after"] += m.nbytes()
     if cache is not None and not loaded:
         from safetensors.torch import save_file
+
         Path(cache).parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(str(cache) + ".tmp")
-        save_file({k: v.contiguous().cpu() for k, v in out.items()}, str(tmp),
-                  metadata={"p2pk3_formats_key": key, "formats": format_spec(fm)})
+        save_file(
+            {k: v.contiguous().cpu() for k, v in out.items()},
+            str(tmp),
+            metadata={"p2pk3_formats_key": key, "formats": format_spec(fm)},
+        )
         os.replace(tmp, cache)
     return stats

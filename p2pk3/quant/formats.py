@@ -28,6 +28,7 @@ costs) and imports no torch, so the planner, `topology check` and the CLI can us
 model code. The conversion itself is p2pk3/quant/convert.py: ``apply_formats(stage, {"attention": "mxfp8",
 ...})`` swaps the chosen ``nn.Linear`` modules of a loaded stage for `MXLinear`.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -37,8 +38,17 @@ from typing import Mapping
 MX_BLOCK = 32  # inputs per E8M0 scale (OCP MX v1.0; the same as p2pk3.quant.mxfp4.MX_BLOCK)
 
 __all__ = [
-    "FormatError", "FORMATS", "TENSOR_CLASSES", "BYTES_PER_PARAM", "parse_formats", "format_spec", "class_of",
-    "packed_bytes", "GROUPS", "ACTIVATIONS", "MX_BLOCK",
+    "FormatError",
+    "FORMATS",
+    "TENSOR_CLASSES",
+    "BYTES_PER_PARAM",
+    "parse_formats",
+    "format_spec",
+    "class_of",
+    "packed_bytes",
+    "GROUPS",
+    "ACTIVATIONS",
+    "MX_BLOCK",
 ]
 
 
@@ -58,10 +68,12 @@ CLASS_ALIASES = {"dense_mlp": "dense", "latent_proj": "latent"}  # the planner's
 GROUPS = {"non-experts": TENSOR_CLASSES, "non_experts": TENSOR_CLASSES, "all": TENSOR_CLASSES}
 # named so that "router=shipped" reads as intended, but never converted: only these formats (a no-op) are allowed
 KEPT = {"router": ("bf16",), "embedding": ("bf16",), "norms": ("bf16",), "routed_experts": ("mxfp4", "bf16")}
-_KEPT_WHY = {"router": "the router stays as shipped (routing runs in fp32)",
-             "embedding": "the embedding stays as shipped (a gather of one row per token)",
-             "norms": "norms, gate vectors and conv taps stay as shipped",
-             "routed_experts": "the routed experts ship in MXFP4 and are loaded as they are"}
+_KEPT_WHY = {
+    "router": "the router stays as shipped (routing runs in fp32)",
+    "embedding": "the embedding stays as shipped (a gather of one row per token)",
+    "norms": "norms, gate vectors and conv taps stay as shipped",
+    "routed_experts": "the routed experts ship in MXFP4 and are loaded as they are",
+}
 
 
 def _near(word: str, known) -> str:
@@ -73,8 +85,9 @@ def _format_name(cls: str, v, errs: list[str]) -> str | None:
     if isinstance(v, str) and (v in FORMATS or v in FORMAT_ALIASES):
         return FORMAT_ALIASES.get(v, v)
     known = (*FORMATS, *FORMAT_ALIASES)
-    errs.append(f"{cls}: unknown format {v!r} (formats: {', '.join(known)})"
-                + (_near(v, known) if isinstance(v, str) else ""))
+    errs.append(
+        f"{cls}: unknown format {v!r} (formats: {', '.join(known)})" + (_near(v, known) if isinstance(v, str) else "")
+    )
     return None
 
 
@@ -105,7 +118,7 @@ def parse_formats(spec: str | Mapping[str, str] | None) -> dict[str, str]:
     elif isinstance(spec, Mapping):
         pairs = list(spec.items())
     else:
-        raise FormatError(f"formats must be a table like {{ attention = \"mxfp8\" }}, got {type(spec).__name__}")
+        raise FormatError(f'formats must be a table like {{ attention = "mxfp8" }}, got {type(spec).__name__}')
     named: dict[str, str] = {}
     grouped: dict[str, str] = {}
     seen: set[str] = set()
@@ -125,8 +138,9 @@ def parse_formats(spec: str | Mapping[str, str] | None) -> dict[str, str]:
                 named[k] = fmt
         elif k in KEPT:
             if fmt is not None and fmt not in KEPT[k]:
-                errs.append(f"{k} cannot be stored as {fmt}: {_KEPT_WHY[k]} (formats apply to "
-                            f"{', '.join(TENSOR_CLASSES)})")
+                errs.append(
+                    f"{k} cannot be stored as {fmt}: {_KEPT_WHY[k]} (formats apply to {', '.join(TENSOR_CLASSES)})"
+                )
         elif k in TENSOR_CLASSES or k in CLASS_ALIASES:
             c = CLASS_ALIASES.get(k, k)
             if c in named:
@@ -135,8 +149,10 @@ def parse_formats(spec: str | Mapping[str, str] | None) -> dict[str, str]:
                 named[c] = fmt
         else:
             known = (*TENSOR_CLASSES, *GROUPS, *CLASS_ALIASES, *KEPT, *ACTIVATIONS)
-            errs.append(f"unknown tensor class {k!r} (classes: {', '.join(TENSOR_CLASSES)}; or non-experts for "
-                        f"all of them){_near(str(k), known)}")
+            errs.append(
+                f"unknown tensor class {k!r} (classes: {', '.join(TENSOR_CLASSES)}; or non-experts for "
+                f"all of them){_near(str(k), known)}"
+            )
     if errs:
         raise FormatError("formats: " + "; ".join(errs))
     return {c: named.get(c, grouped.get(c)) for c in (*TENSOR_CLASSES, *ACTIVATIONS) if c in named or c in grouped}
@@ -157,8 +173,13 @@ _HEAD = re.compile(r"^lm_head(\.weight)?$")
 def class_of(name: str) -> str | None:
     """Tensor class of a module path (``model.layers.3.self_attn.q_proj``) or checkpoint weight name
     (``...q_proj.weight``); None for everything that is never converted."""
-    for cls, rx in (("attention", _ATTN), ("shared_experts", _SHARED), ("dense", _DENSE), ("latent", _LATENT),
-                    ("lm_head", _HEAD)):
+    for cls, rx in (
+        ("attention", _ATTN),
+        ("shared_experts", _SHARED),
+        ("dense", _DENSE),
+        ("latent", _LATENT),
+        ("lm_head", _HEAD),
+    ):
         if rx.search(name):
             return cls
     return None

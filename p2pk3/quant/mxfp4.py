@@ -9,14 +9,25 @@ Layout of the K3 routed experts (compressed-tensors `mxfp4-pack-quantized`, spec
 Everything here is vectorised torch and exact: E2M1 values and powers of two are representable in
 float32, and the scale multiply is a power-of-two product (no rounding unless it under/overflows).
 """
+
 from __future__ import annotations
 
 import torch
 
 __all__ = [
-    "MXFP4Error", "E2M1_VALUES", "E2M1_MAX", "E4M3_MAX", "MX_BLOCK", "E8M0_NAN",
-    "unpack_fp4", "pack_fp4", "e8m0_to_float", "dequantize_mxfp4", "quantize_mxfp4",
-    "quantize_e2m1", "mxfp8_e4m3_fake_quant",
+    "MXFP4Error",
+    "E2M1_VALUES",
+    "E2M1_MAX",
+    "E4M3_MAX",
+    "MX_BLOCK",
+    "E8M0_NAN",
+    "unpack_fp4",
+    "pack_fp4",
+    "e8m0_to_float",
+    "dequantize_mxfp4",
+    "quantize_mxfp4",
+    "quantize_e2m1",
+    "mxfp8_e4m3_fake_quant",
 ]
 
 
@@ -97,22 +108,29 @@ def _nan_scale_report(scale: torch.Tensor) -> str | None:
     return f"{n} of {scale.numel()} E8M0 scales are 0xFF (NaN) at indices {where}{more}"
 
 
-def dequantize_mxfp4(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
-                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_mxfp4(
+    weight_packed: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """packed uint8 [..., out, in/2] + scale uint8 [..., out, in/32] -> [..., out, in] in `dtype`.
 
     Leading dims (e.g. stacked experts [E, out, in/2]) must agree between the two tensors.
     Raises MXFP4Error on a NaN (0xFF) scale or shapes/dtypes that disagree."""
     if weight_packed.dtype != torch.uint8 or weight_scale.dtype != torch.uint8:
-        raise MXFP4Error(f"weight_packed and weight_scale must be uint8, got {weight_packed.dtype} and {weight_scale.dtype}")
+        raise MXFP4Error(
+            f"weight_packed and weight_scale must be uint8, got {weight_packed.dtype} and {weight_scale.dtype}"
+        )
     if weight_packed.dim() < 2 or weight_packed.dim() != weight_scale.dim():
-        raise MXFP4Error(f"weight_packed {tuple(weight_packed.shape)} and weight_scale {tuple(weight_scale.shape)} "
-                         "must both be [..., out, cols] with the same number of dims (>= 2)")
+        raise MXFP4Error(
+            f"weight_packed {tuple(weight_packed.shape)} and weight_scale {tuple(weight_scale.shape)} "
+            "must both be [..., out, cols] with the same number of dims (>= 2)"
+        )
     n_in = weight_packed.shape[-1] * 2
     if weight_packed.shape[:-1] != weight_scale.shape[:-1] or weight_scale.shape[-1] * MX_BLOCK != n_in:
-        raise MXFP4Error(f"shape mismatch: weight_packed {tuple(weight_packed.shape)} holds {n_in} inputs per row, "
-                         f"so weight_scale must be {tuple(weight_packed.shape[:-1]) + (n_in // MX_BLOCK,)} "
-                         f"(one scale per {MX_BLOCK}), got {tuple(weight_scale.shape)}")
+        raise MXFP4Error(
+            f"shape mismatch: weight_packed {tuple(weight_packed.shape)} holds {n_in} inputs per row, "
+            f"so weight_scale must be {tuple(weight_packed.shape[:-1]) + (n_in // MX_BLOCK,)} "
+            f"(one scale per {MX_BLOCK}), got {tuple(weight_scale.shape)}"
+        )
     msg = _nan_scale_report(weight_scale)
     if msg:
         raise MXFP4Error(msg)
@@ -189,7 +207,9 @@ def mxfp8_e4m3_fake_quant(x: torch.Tensor, block: int = MX_BLOCK) -> torch.Tenso
     amax = blocks.abs().amax(dim=-1)
     finite = torch.isfinite(amax)
     safe = torch.where(finite & (amax > 0), amax, torch.ones_like(amax))
-    exp = torch.where(finite & (amax > 0), _floor_log2(safe) - E4M3_EMAX, torch.full_like(amax, -127, dtype=torch.int32))
+    exp = torch.where(
+        finite & (amax > 0), _floor_log2(safe) - E4M3_EMAX, torch.full_like(amax, -127, dtype=torch.int32)
+    )
     exp = exp.clamp(min=-127)
     vals = _E8M0_VALUES.to(x.device)
     inv = vals[(127 - exp).clamp(max=254).long()].unsqueeze(-1)

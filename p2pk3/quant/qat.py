@@ -1,4 +1,5 @@
 """Quantization-aware training helpers: MXFP4 fake quantization with a straight-through estimator."""
+
 from __future__ import annotations
 
 import torch

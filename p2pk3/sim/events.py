@@ -14,6 +14,7 @@ Stages on a shared CPU (`cpu.cores` > 0) run under processor sharing: with n pas
 runnable processes of others, each pass advances at min(1, cores / (n + b)). Optionally (`sleep_gap_s`, off
 by default: on this host it did not hold from one run to the next) a pass whose stage waited longer than
 that for its input is treated as a woken sleeper and shares the cores only with our own passes."""
+
 from __future__ import annotations
 
 import heapq
@@ -50,7 +51,9 @@ class SimResult:
     meta: dict = field(default_factory=dict)
 
 
-def run(cost: CostModel, w: Workload, cores: int = 0, background: float = 0.0, sleep_gap_s: float = math.inf) -> SimResult:
+def run(
+    cost: CostModel, w: Workload, cores: int = 0, background: float = 0.0, sleep_gap_s: float = math.inf
+) -> SimResult:
     S = len(cost.stages)
     M = w.micro_batches or S
     D = w.prefill_depth or S
@@ -264,13 +267,23 @@ def run(cost: CostModel, w: Workload, cores: int = 0, background: float = 0.0, s
     aggregate = sum(per) if per else math.nan  # concurrent streams: the sum of their decode speeds
     stages = []
     for k, s in enumerate(cost.stages):
-        stages.append({"stage": s.slot, "passes": passes[k], "mean_batch_tokens": tok_in[k] / max(1, passes[k]),
-                       "mean_pass_ms": 1e3 * busy_time[k] / max(1, passes[k]),
-                       "busy": busy_time[k] / makespan if makespan else 0.0,
-                       "items_ms": {n: 1e3 * v / max(1, passes[k]) for n, v in items[k].items()}})
+        stages.append(
+            {
+                "stage": s.slot,
+                "passes": passes[k],
+                "mean_batch_tokens": tok_in[k] / max(1, passes[k]),
+                "mean_pass_ms": 1e3 * busy_time[k] / max(1, passes[k]),
+                "busy": busy_time[k] / makespan if makespan else 0.0,
+                "items_ms": {n: 1e3 * v / max(1, passes[k]) for n, v in items[k].items()},
+            }
+        )
     one = sum(cost.pass_s(k, [Unit(0, w.width, w.context or w.prompt, False)]) for k in range(S))
     one += sum(cost.hop_out_s(k, [Unit(0, w.width, 0, False)]) for k in range(S)) if S > 1 else 0.0
-    return SimResult(w.streams, sum(per) / len(per) if per else math.nan,
-                     aggregate,
-                     sum(t_first) / w.streams if all(t is not None for t in t_first) else math.nan,
-                     1e3 * one, stages)
+    return SimResult(
+        w.streams,
+        sum(per) / len(per) if per else math.nan,
+        aggregate,
+        sum(t_first) / w.streams if all(t is not None for t in t_first) else math.nan,
+        1e3 * one,
+        stages,
+    )

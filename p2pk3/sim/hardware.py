@@ -1,5 +1,6 @@
 """Hardware profiles for the simulator: one TOML file holds every assumption and its source
 (p2pk3/sim/profiles/rtx5090.toml is the default; tools/calibrate_host.py writes a "this host" one)."""
+
 from __future__ import annotations
 
 import copy
@@ -80,8 +81,10 @@ class Profile:
 def load_profile(path: str | Path | None = None) -> Profile:
     p = Path(path) if path else DEFAULT
     if not p.is_file():
-        raise ProfileError(f"{p}: no such hardware profile (the default is {DEFAULT}; "
-                           f"`python tools/calibrate_host.py` writes one for this host)")
+        raise ProfileError(
+            f"{p}: no such hardware profile (the default is {DEFAULT}; "
+            f"`python tools/calibrate_host.py` writes one for this host)"
+        )
     try:
         raw = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:

@@ -9,6 +9,7 @@ in tensor parallel each card reads 1/t of it, and every layer adds `allreduces_p
 N hidden vectors over TCP: 2(t-1) messages of (latency + software) + 2(t-1)/t of the bytes over the link.
 Measured (a CPU host profile from tools/calibrate_host.py): the pass time is the sum of the measured
 per-layer times at that batch size (interpolated) plus the measured fixed overhead."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -49,13 +50,20 @@ def _merge(group: list[StageTraffic]) -> StageTraffic:
     for g in group:
         for f, b in g.dense.items():
             dense[f] = dense.get(f, 0) + b
-    return StageTraffic(dense, [e for g in group for e in g.experts], sum(g.kda_state for g in group),
-                        sum(g.mla_per_ctx_token for g in group), sum(g.params_active for g in group),
-                        group[-1].hop_bytes_per_token, group[-1].hop_partial_bytes_per_token)
+    return StageTraffic(
+        dense,
+        [e for g in group for e in g.experts],
+        sum(g.kda_state for g in group),
+        sum(g.mla_per_ctx_token for g in group),
+        sum(g.params_active for g in group),
+        group[-1].hop_bytes_per_token,
+        group[-1].hop_partial_bytes_per_token,
+    )
 
 
-def build_stages(cfg: K3Config, topo: Topology, hw: Profile, formats: dict | None = None, tp: int = 1,
-                 act: str | None = None) -> list[StageModel]:
+def build_stages(
+    cfg: K3Config, topo: Topology, hw: Profile, formats: dict | None = None, tp: int = 1, act: str | None = None
+) -> list[StageModel]:
     """One StageModel per ring stage; with tp > 1 each group of tp consecutive slots is one stage."""
     plans = topo.slot_plans(cfg)  # with tp not dividing the slots, the last stage has fewer cards
     act = act or hw.get("activations.dtype", "bf16")
@@ -64,12 +72,15 @@ def build_stages(cfg: K3Config, topo: Topology, hw: Profile, formats: dict | Non
     scale = ACT_BYTES[act] / 2.0
     out = []
     for i in range(0, len(plans), tp):
-        grp = plans[i:i + tp]
+        grp = plans[i : i + tp]
         tr = _merge([stage_traffic(cfg, p, formats) for p in grp])
         layers = sorted({lp.layer for p in grp for lp in p.layers})
         hop = (tr.hop_bytes_per_token - tr.hop_partial_bytes_per_token) * scale + tr.hop_partial_bytes_per_token
-        out.append(StageModel("+".join(p.slot for p in grp), layers, grp[0].embed, grp[-1].head, tr, len(grp),
-                              len(layers), hop))
+        out.append(
+            StageModel(
+                "+".join(p.slot for p in grp), layers, grp[0].embed, grp[-1].head, tr, len(grp), len(layers), hop
+            )
+        )
     return out
 
 
@@ -82,7 +93,9 @@ def allreduce_s(hw: Profile, nbytes: float, t: int) -> float:
 
 
 def hop_s(hw: Profile, nbytes: float) -> float:
-    return (hw.need("hop.latency_us") + hw.need("hop.software_us")) * 1e-6 + nbytes * 8 / (hw.need("hop.link_gbps") * 1e9)
+    return (hw.need("hop.latency_us") + hw.need("hop.software_us")) * 1e-6 + nbytes * 8 / (
+        hw.need("hop.link_gbps") * 1e9
+    )
 
 
 class CostModel:
@@ -97,8 +110,10 @@ class CostModel:
             self.layer_ms = {int(k): np.array(v, dtype=float) for k, v in self.meas["layer_ms"].items()}
             missing = [l for s in stages for l in s.layers if l not in self.layer_ms]
             if missing:
-                raise ProfileError(f"{hw.path}: measured profile has no time for layers {sorted(set(missing))[:8]} "
-                                   f"(it was calibrated on another model)")
+                raise ProfileError(
+                    f"{hw.path}: measured profile has no time for layers {sorted(set(missing))[:8]} "
+                    f"(it was calibrated on another model)"
+                )
             for s in stages:
                 if s.tp > 1:
                     raise ProfileError("a measured CPU profile cannot price tensor parallelism; use a GPU profile")
@@ -136,16 +151,32 @@ class CostModel:
             return t + ov
         tr, bw, tp = s.traffic, hw.bandwidth, s.tp
         dense = sum(b / (bw * hw.eff(f)) for f, b in tr.dense.items()) / tp
-        exp = sum(h * one * expected_distinct(E, kk, n) / E for h, one, E, kk in tr.experts) / (bw * hw.eff("mxfp4")) / tp
-        state = (len(units) * tr.kda_state + tr.mla_per_ctx_token * sum(u.context for u in units)) / (bw * hw.eff("state")) / tp
+        exp = (
+            sum(h * one * expected_distinct(E, kk, n) / E for h, one, E, kk in tr.experts) / (bw * hw.eff("mxfp4")) / tp
+        )
+        state = (
+            (len(units) * tr.kda_state + tr.mla_per_ctx_token * sum(u.context for u in units))
+            / (bw * hw.eff("state"))
+            / tp
+        )
         mem = dense + exp + state
         comp = 2 * tr.params_active * n / hw.tflops("bf16") / tp
-        ar = s.n_layers * float(hw.need("tensor_parallel.allreduces_per_layer")) * \
-            allreduce_s(hw, n * self.cfg.hidden_size * ACT_BYTES.get(hw.get("activations.dtype", "bf16"), 2), tp) \
-            if tp > 1 else 0.0
+        ar = (
+            s.n_layers
+            * float(hw.need("tensor_parallel.allreduces_per_layer"))
+            * allreduce_s(hw, n * self.cfg.hidden_size * ACT_BYTES.get(hw.get("activations.dtype", "bf16"), 2), tp)
+            if tp > 1
+            else 0.0
+        )
         ov = profile_overhead_s(hw, self.cfg, s)  # stage.overhead_us, or derived from launches (overhead.py)
-        s.breakdown = {"dense weights": dense, "experts": exp, "kda/mla state": state, "compute (if bound)":
-                       max(0.0, comp - mem), "tp all-reduce": ar, "overhead": ov}
+        s.breakdown = {
+            "dense weights": dense,
+            "experts": exp,
+            "kda/mla state": state,
+            "compute (if bound)": max(0.0, comp - mem),
+            "tp all-reduce": ar,
+            "overhead": ov,
+        }
         return max(mem, comp) + ar + ov
 
     def hop_out_s(self, k: int, units: list[Unit]) -> float:

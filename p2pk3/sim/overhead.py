@@ -17,6 +17,7 @@ Both are to be replaced by the H200's figures (tools/bench_stage_gpu.py) once it
 A profile selects it with `[stage] overhead_from = "eager"` or `"graphed"` (p2pk3/sim/profiles/
 rtx5090-engine-*.toml); without it `stage.overhead_us` is taken as written.
 """
+
 from __future__ import annotations
 
 from p2pk3.model.config import K3Config
@@ -28,7 +29,7 @@ LAUNCHES_SOURCE = "tools/count_ops.py --kernels triton, tiny K3, batch 1 (2026-1
 US_PER_LAUNCH = {"eager": 8.3, "graphed": 3.2}
 US_PER_LAUNCH_SOURCE = {
     "eager": "measured here: eager torch-path decode step of the tiny K3 on the 2-core CPU host, 5.41 ms per step "
-             "/ 655 launches per step = 8.3 us (docs/benchmarks.md, issue 22); a GPU adds cudaLaunchKernel",
+    "/ 655 launches per step = 8.3 us (docs/benchmarks.md, issue 22); a GPU adds cudaLaunchKernel",
     "graphed": "research 6.3: ~80 us per ~25 small kernels with CUDA graphs (3.2 us per kernel)",
 }
 

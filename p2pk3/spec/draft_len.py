@@ -8,6 +8,7 @@ batch width (EMA per width; interpolated between measured widths, extrapolated l
 choice maximises E(k) / T(width of the rest of the batch + 1 + k): expected tokens per unit of ring time.
 When passes cost the same at any small width (a memory-bound GPU ring) that means long drafts; when the
 cost grows with the width (small models on CPUs) only well-predicted sessions draft."""
+
 from __future__ import annotations
 
 from typing import Callable

@@ -12,6 +12,7 @@
 A draft that runs past the end of the history continues periodically (the match's period), which is what
 a repeated run of tokens asks for. Proposers only see accepted tokens: their output never changes the
 generated text (the ring verifies every draft), only how many tokens one pass settles."""
+
 from __future__ import annotations
 
 from typing import Protocol, Sequence
@@ -56,7 +57,7 @@ class NgramProposer:
         L = len(h)
         for e in range(self._done, L - 1):  # an n-gram ending at e is followed by h[e + 1]
             for n in range(self.min_n, min(self.max_n, e + 1) + 1):
-                self._index[n][tuple(h[e - n + 1:e + 1])] = e + 1
+                self._index[n][tuple(h[e - n + 1 : e + 1])] = e + 1
         self._done = max(self._done, L - 1)
 
     def match(self, h: Sequence[int]) -> tuple[int, int]:
@@ -64,7 +65,7 @@ class NgramProposer:
         self._update(h)
         L = len(h)
         for n in range(min(self.max_n, L), self.min_n - 1, -1):
-            f = self._index[n].get(tuple(h[L - n:]))
+            f = self._index[n].get(tuple(h[L - n :]))
             if f is not None:
                 return n, f
         return 0, -1
@@ -102,14 +103,14 @@ class SuffixIndex:
             for n in range(self.min_n, self.max_n + 1):
                 if e - n + 1 < 0:
                     break
-                key = tuple(b[e - n + 1:e + 1])
+                key = tuple(b[e - n + 1 : e + 1])
                 if SEP in key:
                     break
                 self._index[n][key] = self._base + e + 1
 
     def add(self, tokens: Sequence[int]) -> None:
         """Add one document (a prompt, or an output with a little of its prompt before it)."""
-        tokens = list(tokens)[-self.capacity // 2:]
+        tokens = list(tokens)[-self.capacity // 2 :]
         if not tokens:
             return
         if len(self._buf) + len(tokens) + 1 > self.capacity:  # drop the older half, rebuild the index
@@ -127,7 +128,7 @@ class SuffixIndex:
         """(order, buffer position where the continuation starts) of the longest match; (0, -1) if none."""
         L = len(h)
         for n in range(min(max_n or self.max_n, self.max_n, L), self.min_n - 1, -1):
-            f = self._index[n].get(tuple(h[L - n:]))
+            f = self._index[n].get(tuple(h[L - n :]))
             if f is not None and f >= self._base:
                 return n, f - self._base
         return 0, -1

@@ -7,6 +7,7 @@ accepted drafts the bonus is drawn from row k. Greedy: argmax. With temperature 
 function of (seed, position), so each accepted token and the bonus are what plain sampling gives at that
 position: the same seed gives the same text with and without speculation, and the output distribution is
 the target's (the draft only decides how many positions one pass settles)."""
+
 from __future__ import annotations
 
 import torch
@@ -15,8 +16,9 @@ from p2pk3.engine.sampling import sample_at
 from p2pk3.params import SamplingParams
 
 
-def verify_draft(logits: torch.Tensor, draft: list[int] | tuple[int, ...], params: SamplingParams,
-                 start: int) -> tuple[list[int], int]:
+def verify_draft(
+    logits: torch.Tensor, draft: list[int] | tuple[int, ...], params: SamplingParams, start: int
+) -> tuple[list[int], int]:
     """logits [k+1, V] of positions start .. start+k -> (accepted drafts, the token after them)."""
     k = len(draft)
     if logits.shape[0] != k + 1:

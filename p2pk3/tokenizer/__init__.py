@@ -21,6 +21,7 @@ the tokenizer's directory). Front ends build prompts through p2pk3/frontends/pro
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tools=None)
     tok.stop_ids, tok.generation_defaults, tok.stream_decoder()
 """
+
 from __future__ import annotations
 
 import base64
@@ -30,8 +31,16 @@ from typing import Sequence
 
 from .bpe import BOS, CHAT_TEMPLATE, EOS, IM_END, KIMI_PAT_STR, PAD
 
-__all__ = ["Tokenizer", "load_tokenizer", "CHAT_TEMPLATE", "ChatTokenizer", "ChatTemplateError", "StreamDecoder",
-           "GenerationDefaults", "load_generation_defaults"]
+__all__ = [
+    "Tokenizer",
+    "load_tokenizer",
+    "CHAT_TEMPLATE",
+    "ChatTokenizer",
+    "ChatTemplateError",
+    "StreamDecoder",
+    "GenerationDefaults",
+    "load_generation_defaults",
+]
 
 
 def _token_str(v) -> str | None:
@@ -80,7 +89,7 @@ class Tokenizer:
                 break
             pos, c = min(hits, key=lambda h: (h[0], -len(h[1])))
             ids += self._encode_plain(rest[:pos]) + [self.special[c]]
-            rest = rest[pos + len(c):]
+            rest = rest[pos + len(c) :]
         return ids
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
@@ -106,8 +115,9 @@ class Tokenizer:
             self._chat = ChatTokenizer.for_tokenizer(self)
         return self._chat
 
-    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                            tokenize: bool = True) -> list[int] | str:
+    def apply_chat_template(
+        self, messages: Sequence[dict], add_generation_prompt: bool = True, tokenize: bool = True
+    ) -> list[int] | str:
         """The checkpoint's chat template (`self.chat`): the prompt ids, or with tokenize=False the text."""
         if not tokenize:
             return self.chat.render(messages, add_generation_prompt=add_generation_prompt)
@@ -154,8 +164,9 @@ class TiktokenTokenizer(Tokenizer):
         n_special = max([i - n_base + 1 for i in named] + [0])
         n_special = max(n_special, int(config.get("num_reserved_special_tokens", 0)))
         special = {named.get(n_base + i, f"<|reserved_token_{i}|>"): n_base + i for i in range(n_special)}
-        self.enc = tiktoken.Encoding(name=path.parent.name or "kimi", pat_str=pat_str, mergeable_ranks=ranks,
-                                     special_tokens=special)
+        self.enc = tiktoken.Encoding(
+            name=path.parent.name or "kimi", pat_str=pat_str, mergeable_ranks=ranks, special_tokens=special
+        )
         super().__init__(config, special, n_base + n_special, path.parent)
 
     def _encode_plain(self, text: str) -> list[int]:

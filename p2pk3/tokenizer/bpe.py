@@ -21,6 +21,7 @@ format is `<|im_system|>system<|im_middle|>...<|im_end|><|im_user|>user<|im_midd
 
     python -m p2pk3.tokenizer.bpe --out /tmp/tok   # trains on CPython's pydoc topics (all of them)
 """
+
 from __future__ import annotations
 
 import base64
@@ -33,16 +34,18 @@ from typing import Iterable
 # character-class intersection (`&&`), which both tiktoken's fancy-regex / regex crate and the Oniguruma
 # engine of HF tokenizers support. Han characters are split off as their own runs; digits go in groups of
 # at most 3.
-KIMI_PAT_STR = "|".join([
-    r"""[\p{Han}]+""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""\p{N}{1,3}""",
-    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
-    r"""\s*[\r\n]+""",
-    r"""\s+(?!\S)""",
-    r"""\s+""",
-])
+KIMI_PAT_STR = "|".join(
+    [
+        r"""[\p{Han}]+""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
 
 NUM_SPECIAL = 32
 # name -> offset from the first special id (n_base). Kimi K2 offsets for the chat tokens; UNK/PAD last.
@@ -102,14 +105,20 @@ def train_bpe(texts: Iterable[str], vocab_size: int = 4096, min_frequency: int =
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(KIMI_PAT_STR), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(KIMI_PAT_STR), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - NUM_SPECIAL, min_frequency=min_frequency,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[],
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - NUM_SPECIAL,
+        min_frequency=min_frequency,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+        show_progress=False,
+    )
     tok.train_from_iterator(list(texts), trainer=trainer)
     n_base = tok.get_vocab_size()
     specials = special_tokens(n_base)
@@ -137,8 +146,17 @@ def _config(n_base: int, extra: dict | None = None) -> dict:
         "num_base_tokens": n_base,
         "model_max_length": 1 << 20,
         "chat_template": CHAT_TEMPLATE,
-        "added_tokens_decoder": {str(i): {"content": c, "lstrip": False, "normalized": False, "rstrip": False,
-                                          "single_word": False, "special": True} for i, c in specials},
+        "added_tokens_decoder": {
+            str(i): {
+                "content": c,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
+            for i, c in specials
+        },
     }
     if extra:
         cfg.update(extra)

@@ -35,6 +35,7 @@ default (every special-token string in the rendered text is a special token). Li
 serialises user strings with `tojson(ensure_ascii=True)` escapes the markers, so special-token strings
 there are treated as special tokens.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,7 +55,7 @@ BUILTIN_TEMPLATE_SOURCE = "built-in K3 template (p2pk3.tokenizer.bpe.CHAT_TEMPLA
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # Private-use characters around special-token strings found in the caller's strings (see the module doc).
-_MARK_START, _MARK_END = "\U000F0D70", "\U000F0D71"
+_MARK_START, _MARK_END = "\U000f0d70", "\U000f0d71"
 
 
 class ChatTemplateError(ValueError):
@@ -83,6 +84,7 @@ def _env():
 
         class GenerationTag(jinja2.ext.Extension):
             """`{% generation %}...{% endgeneration %}` (transformers marks assistant tokens with it): the body."""
+
             tags = {"generation"}
 
             def parse(self, parser):
@@ -96,8 +98,9 @@ def _env():
         def raise_exception(message):
             raise jinja2.exceptions.TemplateError(message)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[GenerationTag, jinja2.ext.loopcontrols])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols]
+        )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = _strftime_now
@@ -113,8 +116,9 @@ def compile_chat_template(source: str, origin: str = "chat template"):
     try:
         return _env().from_string(source)
     except jinja2.TemplateSyntaxError as e:
-        raise ChatTemplateError(f"{origin}: chat template does not compile (template line {e.lineno}): "
-                                f"{e.message}") from e
+        raise ChatTemplateError(
+            f"{origin}: chat template does not compile (template line {e.lineno}): {e.message}"
+        ) from e
 
 
 def _token_str(v) -> str | None:
@@ -149,8 +153,9 @@ def _load_templates(d: Path, config: dict) -> dict[str, tuple[str, str]]:
     if isinstance(ct, Mapping):
         return {k: (v, f"{origin} (chat_template {k!r})") for k, v in ct.items()}
     if ct is not None:
-        raise ChatTemplateError(f"{origin}: chat_template must be a string or a list of templates, "
-                                f"got {type(ct).__name__}")
+        raise ChatTemplateError(
+            f"{origin}: chat_template must be a string or a list of templates, got {type(ct).__name__}"
+        )
     return {"default": (CHAT_TEMPLATE, BUILTIN_TEMPLATE_SOURCE)}
 
 
@@ -185,8 +190,14 @@ def _normalize_messages(messages: Sequence[Mapping]) -> list[dict]:
 class ChatTokenizer:
     """A checkpoint's tokenizer with its chat template, stop ids and generation defaults (module doc)."""
 
-    def __init__(self, tokenizer, templates: dict[str, tuple[str, str]], special_tokens: dict[str, str],
-                 generation_defaults: GenerationDefaults | None = None, extra_stop_ids: Sequence[int] = ()):
+    def __init__(
+        self,
+        tokenizer,
+        templates: dict[str, tuple[str, str]],
+        special_tokens: dict[str, str],
+        generation_defaults: GenerationDefaults | None = None,
+        extra_stop_ids: Sequence[int] = (),
+    ):
         """tokenizer: a `p2pk3.tokenizer.Tokenizer`; templates: name -> (source, origin);
         special_tokens: template variables such as {"bos_token": "[BOS]"}."""
         self.tokenizer = tokenizer
@@ -274,8 +285,10 @@ class ChatTokenizer:
         elif "default" in names:
             name = "default"
         else:
-            raise ValueError(f"this checkpoint has several chat templates and none is 'default'; pass "
-                             f"template_name= one of {sorted(names)}")
+            raise ValueError(
+                f"this checkpoint has several chat templates and none is 'default'; pass "
+                f"template_name= one of {sorted(names)}"
+            )
         return name, names[name][1]
 
     def _render(self, messages, add_generation_prompt, tools, template_name, template_kwargs, mark: bool) -> str:
@@ -288,22 +301,35 @@ class ChatTokenizer:
             msgs, tools, template_kwargs = (_mark(x, self._special_re) for x in (msgs, tools, template_kwargs))
         variables = {**self.special_tokens, **template_kwargs}
         try:
-            return self._compiled[name].render(messages=msgs, tools=tools, documents=None,
-                                               add_generation_prompt=add_generation_prompt, **variables)
+            return self._compiled[name].render(
+                messages=msgs, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **variables
+            )
         except Exception as e:
             import jinja2
 
             kind = "raised" if type(e) is jinja2.TemplateError else f"failed ({type(e).__name__})"
             raise ChatTemplateError(f"{origin}: chat template {kind}: {e}") from e
 
-    def render(self, messages: Sequence[Mapping], add_generation_prompt: bool = True, tools: Sequence[dict] | None = None,
-               template_name: str | None = None, **template_kwargs: Any) -> str:
+    def render(
+        self,
+        messages: Sequence[Mapping],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict] | None = None,
+        template_name: str | None = None,
+        **template_kwargs: Any,
+    ) -> str:
         """The prompt text, exactly as transformers' `apply_chat_template(..., tokenize=False)`."""
         return self._render(messages, add_generation_prompt, tools, template_name, template_kwargs, mark=False)
 
-    def apply_chat_template(self, messages: Sequence[Mapping], add_generation_prompt: bool = True,
-                            tools: Sequence[dict] | None = None, template_name: str | None = None,
-                            sanitize: bool = True, **template_kwargs: Any) -> list[int]:
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict] | None = None,
+        template_name: str | None = None,
+        sanitize: bool = True,
+        **template_kwargs: Any,
+    ) -> list[int]:
         """The prompt ids (see the module doc for how special tokens are told apart)."""
         text = self._render(messages, add_generation_prompt, tools, template_name, template_kwargs, mark=sanitize)
         return self._encode_rendered(text)
@@ -319,7 +345,7 @@ class ChatTokenizer:
                 buf.clear()
 
         for m in self._split_re.finditer(text):
-            buf.append(text[pos:m.start()])
+            buf.append(text[pos : m.start()])
             if m.group(1) is not None:  # a marked special-token string from the caller: text
                 buf.append(m.group(1))
             elif m.group(2) is not None:  # a special token the template wrote
@@ -342,9 +368,9 @@ class ChatTokenizer:
         except Exception:
             text = None
         if text is not None and reply in text:
-            after = text[text.rindex(reply) + len(reply):]
+            after = text[text.rindex(reply) + len(reply) :]
             m = self._special_re.search(after)
-            if m and not after[:m.start()].strip():
+            if m and not after[: m.start()].strip():
                 return m.group(0)
             return None
         if IM_END in self.special and any(IM_END in s for s, _ in self.templates.values()):
@@ -352,5 +378,7 @@ class ChatTokenizer:
         return None
 
     def __repr__(self) -> str:
-        return (f"<ChatTokenizer {self.tokenizer.backend} vocab={self.vocab_size} templates={sorted(self.templates)} "
-                f"stop_ids={self.stop_ids}>")
+        return (
+            f"<ChatTokenizer {self.tokenizer.backend} vocab={self.vocab_size} templates={sorted(self.templates)} "
+            f"stop_ids={self.stop_ids}>"
+        )

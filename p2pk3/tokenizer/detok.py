@@ -20,6 +20,7 @@ tokens and emitting only what the window's text adds beyond what was already emi
 Emitted text is final: it is never taken back. The decoder assumes (as every BPE / SentencePiece decoder
 does) that appending tokens only appends text, apart from a trailing incomplete character.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -56,7 +57,7 @@ class StreamDecoder:
         complete = len(stable) == len(text)
         if not complete and self._held <= self.max_hold:
             text = stable  # hold the bytes of an incomplete character back
-        out = text[self._done:] if len(text) > self._done else ""
+        out = text[self._done :] if len(text) > self._done else ""
         self._done = max(self._done, len(text))
         if complete or self._held > self.max_hold:
             self._held = 0
@@ -65,7 +66,7 @@ class StreamDecoder:
 
     def flush(self) -> str:
         text = self._decode(self._window) if self._window else ""
-        out = text[self._done:] if len(text) > self._done else ""
+        out = text[self._done :] if len(text) > self._done else ""
         self._window, self._done, self._held = [], 0, 0
         return out
 

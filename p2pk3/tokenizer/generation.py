@@ -14,6 +14,7 @@ Fields are in the engine's terms (`p2pk3.engine.sampling.SamplingParams`): `temp
 * `eos_token_id` may be an int or a list of ints; `max_new_tokens` / `max_length` are kept as given
   (max_length counts the prompt too, see `max_tokens`).
 """
+
 from __future__ import annotations
 
 import json
@@ -70,8 +71,12 @@ def load_generation_defaults(model_dir: str | Path) -> GenerationDefaults:
         v = cfg.get(key)
         if v is None:
             return None
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)) \
-                or not ok(v):
+        if (
+            isinstance(v, bool)
+            or not isinstance(v, (int, float))
+            or (kind is int and not isinstance(v, int))
+            or not ok(v)
+        ):
             raise ValueError(f"{p}: {key} must be {what}, got {v!r}")
         return kind(v)
 

@@ -19,19 +19,46 @@ out), topology (`Topology`: the tables, queries, plans and checks of one file), 
 slot runs), sizing (bytes a slot needs: weights in formats, caches, workspace), checks (validation rules),
 split (`even_split`; splits by experts are the planner's, p2pk3.plan).
 """
+
 from .checks import check
 from .plans import LayerPlan, SlotPlan, slot_plan
 from .ranges import format_ranges, parse_ranges
 from .sizing import estimate_slot_bytes, runtime_bytes, slot_tensors, weight_bytes
 from .specs import (
-    BROADCAST, DEFAULT_BASE_PORT, DEFAULT_BEACON_PORT, GiB, ClusterSpec, MemorySpec, ModelSpec, Slot, TopologyError,
+    BROADCAST,
+    DEFAULT_BASE_PORT,
+    DEFAULT_BEACON_PORT,
+    GiB,
+    ClusterSpec,
+    MemorySpec,
+    ModelSpec,
+    Slot,
+    TopologyError,
 )
 from .split import even_split
 from .topology import Topology, generate_secret
 
 __all__ = [
-    "TopologyError", "ClusterSpec", "ModelSpec", "MemorySpec", "Slot", "LayerPlan", "SlotPlan", "Topology",
-    "slot_plan", "check", "parse_ranges", "format_ranges", "slot_tensors", "weight_bytes", "runtime_bytes",
-    "estimate_slot_bytes", "even_split", "generate_secret", "GiB", "BROADCAST",
-    "DEFAULT_BEACON_PORT", "DEFAULT_BASE_PORT",
+    "TopologyError",
+    "ClusterSpec",
+    "ModelSpec",
+    "MemorySpec",
+    "Slot",
+    "LayerPlan",
+    "SlotPlan",
+    "Topology",
+    "slot_plan",
+    "check",
+    "parse_ranges",
+    "format_ranges",
+    "slot_tensors",
+    "weight_bytes",
+    "runtime_bytes",
+    "estimate_slot_bytes",
+    "even_split",
+    "generate_secret",
+    "GiB",
+    "BROADCAST",
+    "DEFAULT_BEACON_PORT",
+    "DEFAULT_BASE_PORT",
 ]

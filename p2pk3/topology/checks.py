@@ -4,6 +4,7 @@ A checker takes (topology, cfg) and returns its error messages. The phases exist
 read what earlier ones guarantee: the ring rules need every slot's layers to be well-formed, the memory
 rules size each slot's plan and so run only on a ring whose layout has no error at all.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -65,8 +66,11 @@ def duplicate_addresses(topo: Ring, cfg: K3Config) -> list[str]:
 
 
 def standby_holds_nothing(topo: Ring, cfg: K3Config) -> list[str]:
-    return [f"standby slot {s.id} must not hold layers or experts (hot spares take over a slot's work)"
-            for s in topo.standby if s.layers is not None or s.experts]
+    return [
+        f"standby slot {s.id} must not hold layers or experts (hot spares take over a slot's work)"
+        for s in topo.standby
+        if s.layers is not None or s.experts
+    ]
 
 
 def has_active_slots(topo: Ring, cfg: K3Config) -> list[str]:
@@ -90,8 +94,9 @@ def slot_layers(topo: Ring, cfg: K3Config) -> list[str]:
 
 
 def slot_gpu_memory(topo: Ring, cfg: K3Config) -> list[str]:
-    return [f"slot {s.id} has no gpu_memory_gb" for s in topo.active
-            if s.layers is not None and s.gpu_memory_gb is None]
+    return [
+        f"slot {s.id} has no gpu_memory_gb" for s in topo.active if s.layers is not None and s.gpu_memory_gb is None
+    ]
 
 
 def slot_experts(topo: Ring, cfg: K3Config) -> list[str]:
@@ -108,8 +113,10 @@ def slot_experts(topo: Ring, cfg: K3Config) -> list[str]:
                 errs.append(f"slot {s.id} lists experts for layer {l}, which is a dense layer (no routed experts)")
             bad = [e for e in ex if e >= E]
             if bad:
-                errs.append(f"slot {s.id}: experts {format_ranges(bad)} of layer {l} do not exist "
-                            f"(the model has experts 0..{E - 1})")
+                errs.append(
+                    f"slot {s.id}: experts {format_ranges(bad)} of layer {l} do not exist "
+                    f"(the model has experts 0..{E - 1})"
+                )
             if not ex:
                 errs.append(f"slot {s.id}: empty expert list for layer {l}")
     return errs
@@ -144,8 +151,10 @@ def neighbour_overlaps(topo: Ring, cfg: K3Config) -> list[str]:
     for x, y in pairwise(act):
         ov = _neighbour_overlap(x, y)
         if ov:
-            errs.append(f"slots {x.id} {list(x.layers)} and {y.id} {list(y.layers)} overlap on "
-                        f"{_plural('layer', ov)} {format_ranges(ov).replace(',', ', ')}")
+            errs.append(
+                f"slots {x.id} {list(x.layers)} and {y.id} {list(y.layers)} overlap on "
+                f"{_plural('layer', ov)} {format_ranges(ov).replace(',', ', ')}"
+            )
     return errs
 
 
@@ -157,8 +166,10 @@ def ring_order(topo: Ring, cfg: K3Config) -> list[str]:
         if _neighbour_overlap(x, y):
             continue  # reported by neighbour_overlaps
         if ya < xb or (ya > xb + 1 and all(owners[l] for l in range(xb + 1, ya))):
-            errs.append(f"slot {y.id} starts at layer {ya} but the previous active slot {x.id} ends at layer {xb}: "
-                        f"slots must follow the layer order of the ring")
+            errs.append(
+                f"slot {y.id} starts at layer {ya} but the previous active slot {x.id} ends at layer {xb}: "
+                f"slots must follow the layer order of the ring"
+            )
     return errs
 
 
@@ -190,13 +201,17 @@ def _split_layer_problems(cfg: K3Config, l: int, own: list[int], act: list[Slot]
         return [f"layer {l} is on slots {names}: overlap (a dense layer cannot be split)"]
     whole = [act[i].id for i in own if l not in act[i].experts]
     if whole:
-        return [f"layer {l} is on slots {names}: overlap ({', '.join(whole)} "
-                f"{'holds' if len(whole) == 1 else 'hold'} all its experts; to split a layer, list "
-                f"experts = {{\"{l}\" = \"...\"}} on each of its slots)"]
+        return [
+            f"layer {l} is on slots {names}: overlap ({', '.join(whole)} "
+            f"{'holds' if len(whole) == 1 else 'hold'} all its experts; to split a layer, list "
+            f'experts = {{"{l}" = "..."}} on each of its slots)'
+        ]
     if own != list(range(own[0], own[0] + len(own))):
         between = [act[i].id for i in range(own[0], own[-1] + 1) if i not in own]
-        return [f"layer {l} is split over slots {names}, which are not consecutive in the ring "
-                f"({', '.join(between)} {_are(between)} between them)"]
+        return [
+            f"layer {l} is split over slots {names}, which are not consecutive in the ring "
+            f"({', '.join(between)} {_are(between)} between them)"
+        ]
     where: dict[int, list[str]] = {}
     for i in own:
         for e in act[i].experts[l]:
@@ -205,12 +220,15 @@ def _split_layer_problems(cfg: K3Config, l: int, own: list[int], act: list[Slot]
     for e, ss in where.items():
         if len(ss) > 1:
             dup.setdefault(tuple(ss), []).append(e)
-    errs = [f"{_plural('expert', es)} {format_ranges(es)} of layer {l} {_are(es)} on two slots: {' and '.join(ss)}"
-            for ss, es in dup.items()]
+    errs = [
+        f"{_plural('expert', es)} {format_ranges(es)} of layer {l} {_are(es)} on two slots: {' and '.join(ss)}"
+        for ss, es in dup.items()
+    ]
     miss = [e for e in range(cfg.num_experts) if e not in where]
     if miss:
-        errs.append(f"{_plural('expert', miss)} {format_ranges(miss)} of layer {l} {_are(miss)} on no slot "
-                    f"(split over {names})")
+        errs.append(
+            f"{_plural('expert', miss)} {format_ranges(miss)} of layer {l} {_are(miss)} on no slot (split over {names})"
+        )
     return errs
 
 
@@ -220,8 +238,9 @@ def slot_needs(topo: Ring, cfg: K3Config, weight_bytes_fn: WeightBytesFn | None 
     the file's own `[model] formats`)."""
     if weight_bytes_fn is not None:
         return {s.id: weight_bytes_fn(s) for s in topo.active}
-    return {s.id: estimate_slot_bytes(cfg, topo.slot_plan(s, cfg), topo.memory, topo.model.formats)
-            for s in topo.active}
+    return {
+        s.id: estimate_slot_bytes(cfg, topo.slot_plan(s, cfg), topo.memory, topo.model.formats) for s in topo.active
+    }
 
 
 def memory_fit(topo: Ring, cfg: K3Config, need: dict[str, int], estimated: bool = True) -> list[str]:
@@ -234,17 +253,23 @@ def memory_fit(topo: Ring, cfg: K3Config, need: dict[str, int], estimated: bool 
             parts = {"weights": w, "caches": 0, "workspace": 0, "reserve": 0}
             if estimated:
                 for item, _, b in runtime_items(cfg, plan, topo.memory):
-                    key = ("reserve" if item.startswith("CUDA") else "workspace" if item.startswith("activations")
-                           else "caches")
+                    key = (
+                        "reserve"
+                        if item.startswith("CUDA")
+                        else "workspace"
+                        if item.startswith("activations")
+                        else "caches"
+                    )
                     parts[key] += b
-            errs.append(f"slot {s.id} needs about {n / GiB:.2f} GiB ({_itemised(parts)}) but has gpu_memory_gb = "
-                        f"{s.gpu_memory_gb:g}: {_shrink_advice(parts, n - cap, topo.memory)}")
+            errs.append(
+                f"slot {s.id} needs about {n / GiB:.2f} GiB ({_itemised(parts)}) but has gpu_memory_gb = "
+                f"{s.gpu_memory_gb:g}: {_shrink_advice(parts, n - cap, topo.memory)}"
+            )
     return errs
 
 
 def _itemised(parts: dict[str, int]) -> str:
-    names = {"weights": "weights", "caches": "caches", "workspace": "prefill workspace",
-             "reserve": "CUDA reserve"}
+    names = {"weights": "weights", "caches": "caches", "workspace": "prefill workspace", "reserve": "CUDA reserve"}
     return " + ".join(f"{names[k]} {b / GiB:.2f} GiB" for k, b in parts.items() if b or k == "weights")
 
 
@@ -260,8 +285,10 @@ def _shrink_advice(parts: dict[str, int], over: int, memory: MemorySpec) -> str:
         opts.append("a smaller [memory] prefill_chunk")
     if parts["reserve"] >= over:
         fits = int(max(0, parts["reserve"] - over) / GiB * 100) / 100
-        opts.append(f"a CUDA reserve of at most {fits:g} GiB ([memory] overhead_gb, now {memory.overhead_gb:g}; "
-                    f"`p2pk3 plan --overhead-gb`)")
+        opts.append(
+            f"a CUDA reserve of at most {fits:g} GiB ([memory] overhead_gb, now {memory.overhead_gb:g}; "
+            f"`p2pk3 plan --overhead-gb`)"
+        )
     if not opts:
         return "a larger card, or less of several of these"
     return "it would fit with " + ", or ".join(opts)
@@ -272,9 +299,12 @@ def standby_capacity(topo: Ring, need: dict[str, int]) -> list[str]:
     if not need:
         return []
     smallest = min(need.values())
-    return [f"standby slot {s.id} ({s.gpu_memory_gb:g} GiB) cannot take over any active slot "
-            f"(the smallest needs {smallest / GiB:.1f} GiB)"
-            for s in topo.standby if s.gpu_memory_gb is not None and s.gpu_memory_gb * GiB < smallest]
+    return [
+        f"standby slot {s.id} ({s.gpu_memory_gb:g} GiB) cannot take over any active slot "
+        f"(the smallest needs {smallest / GiB:.1f} GiB)"
+        for s in topo.standby
+        if s.gpu_memory_gb is not None and s.gpu_memory_gb * GiB < smallest
+    ]
 
 
 # ----------------------------------------------------------------------------- running them
@@ -291,8 +321,7 @@ PHASES: tuple[tuple[Rule, ...], ...] = (
 )
 
 
-def check(topo: Ring, cfg: K3Config,
-          weight_bytes_fn: WeightBytesFn | None = None) -> tuple[list[str], list[str]]:
+def check(topo: Ring, cfg: K3Config, weight_bytes_fn: WeightBytesFn | None = None) -> tuple[list[str], list[str]]:
     """(errors, warnings) of `topo` against the model config. `weight_bytes_fn(slot) -> bytes` replaces
     the memory estimate."""
     errs: list[str] = []

@@ -1,6 +1,7 @@
 """The topology file's TOML: text in with tomllib, out with tomli-w, and the tables checked and turned into
 the dataclasses of specs.py (`parse_tables`) and back (`tables`). `Topology` (topology.py) reads and writes
 itself through these; nothing here knows the model."""
+
 from __future__ import annotations
 
 import difflib
@@ -38,8 +39,9 @@ def encode(tables: Mapping[str, Any], comment: str | None = None) -> str:
     return head + tomli_w.dumps(tables)
 
 
-def parse_tables(d: Mapping[str, Any], source: str | None = None
-                 ) -> tuple[ClusterSpec, ModelSpec, list[Slot], MemorySpec]:
+def parse_tables(
+    d: Mapping[str, Any], source: str | None = None
+) -> tuple[ClusterSpec, ModelSpec, list[Slot], MemorySpec]:
     """The tables of a topology file -> (cluster, model, slots, memory); TopologyError listing every
     problem of structure and type (the model-dependent rules are checks.py's)."""
     errs: list[str] = _unknown(d.keys(), _TOP_KEYS, "the topology")
@@ -85,8 +87,9 @@ def _unknown(keys: Iterable[str], known: set[str], where: str) -> list[str]:
     return out
 
 
-def _typed(d: Mapping[str, Any], key: str, types: tuple[type, ...], where: str, errs: list[str],
-           default: Any = None) -> Any:
+def _typed(
+    d: Mapping[str, Any], key: str, types: tuple[type, ...], where: str, errs: list[str], default: Any = None
+) -> Any:
     if key not in d:
         return default
     v = d[key]
@@ -130,7 +133,7 @@ def _parse_model(d: Mapping[str, Any], errs: list[str]) -> ModelSpec:
     if "formats" in m:
         try:
             if not isinstance(m["formats"], dict):
-                raise FormatError(f"formats must be a table like {{ attention = \"mxfp8\" }}, got {m['formats']!r}")
+                raise FormatError(f'formats must be a table like {{ attention = "mxfp8" }}, got {m["formats"]!r}')
             model.formats = parse_formats(m["formats"])
         except FormatError as e:
             errs.append(f"[model]: {e}")
@@ -175,18 +178,28 @@ def _parse_slot(rs: Any, i: int, errs: list[str]) -> Slot | None:
     layers = None
     if "layers" in rs:
         lv = rs["layers"]
-        if (not isinstance(lv, list) or len(lv) != 2
-                or not all(isinstance(x, int) and not isinstance(x, bool) for x in lv)):
+        if (
+            not isinstance(lv, list)
+            or len(lv) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in lv)
+        ):
             errs.append(f"{where}: layers must be [first, last] (two integers, inclusive), got {lv!r}")
         else:
             layers = (lv[0], lv[1])
-    return Slot(sid if isinstance(sid, str) else f"#{i}", layers, mem, host, port,
-                _parse_experts(rs.get("experts", {}), where, errs), standby)
+    return Slot(
+        sid if isinstance(sid, str) else f"#{i}",
+        layers,
+        mem,
+        host,
+        port,
+        _parse_experts(rs.get("experts", {}), where, errs),
+        standby,
+    )
 
 
 def _parse_experts(ev: Any, where: str, errs: list[str]) -> dict[int, tuple[int, ...]]:
     if not isinstance(ev, dict):
-        errs.append(f"{where}: experts must be a table like {{ \"5\" = \"0-447\" }}")
+        errs.append(f'{where}: experts must be a table like {{ "5" = "0-447" }}')
         return {}
     experts: dict[int, tuple[int, ...]] = {}
     for k, v in ev.items():

@@ -5,6 +5,7 @@ at the time of the call (nothing is cached, so a slot added to or moved in `Topo
 the plan of where it is now). The model's own `p2pk3.model.stage.StagePlan` is what a slot's plan is
 turned into to build the torch stage (`p2pk3.node.stage_runner.model_plan`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -114,8 +115,10 @@ def slot_plan(cfg: K3Config, ring: Sequence[Slot], slot: Slot) -> SlotPlan:
         return SlotPlan(slot.id, None, [], False, False)
     idx = next((i for i, x in enumerate(ring) if x is slot), None)
     if idx is None:
-        raise ValueError(f"slot {slot.id} is not one of the active slots {', '.join(s.id for s in ring) or '(none)'}; "
-                         f"add it to the topology's slots before asking for its plan")
+        raise ValueError(
+            f"slot {slot.id} is not one of the active slots {', '.join(s.id for s in ring) or '(none)'}; "
+            f"add it to the topology's slots before asking for its plan"
+        )
     lps = []
     for l in slot.layer_range:
         moe = cfg.is_moe_layer(l)
@@ -123,13 +126,30 @@ def slot_plan(cfg: K3Config, ring: Sequence[Slot], slot: Slot) -> SlotPlan:
         owners = [i for i, x in enumerate(ring) if x.holds(l)]
         if len(owners) > 1:  # split by experts over consecutive slots
             attn, finish = owners[0] == idx, owners[-1] == idx
-            lps.append(LayerPlan(l, cfg.layer_types[l], moe, attn, exps, False, finish,
-                                 enters_mid_moe=not attn, exits_mid_moe=not finish))
+            lps.append(
+                LayerPlan(
+                    l,
+                    cfg.layer_types[l],
+                    moe,
+                    attn,
+                    exps,
+                    False,
+                    finish,
+                    enters_mid_moe=not attn,
+                    exits_mid_moe=not finish,
+                )
+            )
         else:
             whole = not moe or len(exps) == cfg.num_experts
             lps.append(LayerPlan(l, cfg.layer_types[l], moe, True, exps, whole, True, False, False))
     embed = lps[0].layer == 0 and lps[0].attn
     head = lps[-1].layer == cfg.num_hidden_layers - 1 and lps[-1].finish
-    return SlotPlan(slot.id, idx, lps, embed, head,
-                    prev_slot=ring[idx - 1].id if idx > 0 else None,
-                    next_slot=ring[idx + 1].id if idx + 1 < len(ring) else None)
+    return SlotPlan(
+        slot.id,
+        idx,
+        lps,
+        embed,
+        head,
+        prev_slot=ring[idx - 1].id if idx > 0 else None,
+        next_slot=ring[idx + 1].id if idx + 1 < len(ring) else None,
+    )

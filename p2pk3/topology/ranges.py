@@ -1,4 +1,5 @@
 """Expert id ranges as the topology file writes them: "0-447,500,510-515"."""
+
 from __future__ import annotations
 
 import re
@@ -6,7 +7,7 @@ from typing import Iterable
 
 
 def parse_ranges(text: str | Iterable[int], *, what: str = "range") -> tuple[int, ...]:
-    """"0-447,500,510-515" -> sorted ids. Raises ValueError on bad syntax, reversed or repeated ids."""
+    """ "0-447,500,510-515" -> sorted ids. Raises ValueError on bad syntax, reversed or repeated ids."""
     if not isinstance(text, str):
         ids = list(text)
         if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
@@ -18,7 +19,7 @@ def parse_ranges(text: str | Iterable[int], *, what: str = "range") -> tuple[int
                 raise ValueError(f"{what}: empty item in {text!r}")
             m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
             if not m:
-                raise ValueError(f"{what}: cannot parse {part!r} in {text!r} (expected e.g. \"0-447,500,510-515\")")
+                raise ValueError(f'{what}: cannot parse {part!r} in {text!r} (expected e.g. "0-447,500,510-515")')
             a = int(m.group(1))
             b = int(m.group(2)) if m.group(2) is not None else a
             if b < a:

@@ -5,6 +5,7 @@ The one place bytes are counted: the topology memory check (`estimate_slot_bytes
 itemised table (p2pk3/plan/memory.py) both add up `weight_items` and `runtime_items`. A matrix converted by
 a weight format costs what `MXLinear` holds (p2pk3.quant.formats.packed_bytes); the KDA state and the MLA
 pages cost what `StageCache` allocates (p2pk3.model.cache.kda_session_bytes / mla_pool_bytes)."""
+
 from __future__ import annotations
 
 import functools
@@ -105,7 +106,9 @@ def part_items(cfg: K3Config, layer: int, part: str, finish: bool, fkey: tuple =
     return tuple(sorted(out.items()))
 
 
-def part_bytes(cfg: K3Config, layer: int, part: str, finish: bool = True, formats: Mapping[str, str] | None = None) -> int:
+def part_bytes(
+    cfg: K3Config, layer: int, part: str, finish: bool = True, formats: Mapping[str, str] | None = None
+) -> int:
     return sum(b for _, b in part_items(cfg, layer, part, finish, formats_key(formats)))
 
 
@@ -160,8 +163,9 @@ def mla_token_bytes(cfg: K3Config, dtype=CACHE_DTYPE) -> int:
     return cfg.mla_cache_width * dtype.itemsize
 
 
-def mla_cache_bytes(cfg: K3Config, sessions: int, context: int, dtype=CACHE_DTYPE,
-                    block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+def mla_cache_bytes(
+    cfg: K3Config, sessions: int, context: int, dtype=CACHE_DTYPE, block_size: int = DEFAULT_BLOCK_SIZE
+) -> int:
     """One MLA layer's paged cache for `sessions` x `context` tokens, as StageCache allocates it."""
     return mla_pool_bytes(sessions * context, sessions, cfg.mla_cache_width, dtype, block_size)
 
@@ -176,8 +180,9 @@ def logits_bytes(cfg: K3Config, sessions: int) -> int:
     return sessions * cfg.vocab_size * 4 * 2
 
 
-def runtime_items(cfg: K3Config, plan: SlotPlan, memory: MemorySpec | None = None,
-                  dtype=CACHE_DTYPE) -> list[tuple[str, str, int]]:
+def runtime_items(
+    cfg: K3Config, plan: SlotPlan, memory: MemorySpec | None = None, dtype=CACHE_DTYPE
+) -> list[tuple[str, str, int]]:
     """(item, detail, bytes) on top of the weights: KDA state and MLA cache of the attention held here,
     the prefill workspace, the logits on the head slot, the CUDA reserve (an estimate beyond the caches)."""
     m = memory or MemorySpec()
@@ -187,26 +192,33 @@ def runtime_items(cfg: K3Config, plan: SlotPlan, memory: MemorySpec | None = Non
     if n_kda:
         rows.append(("KDA state", f"{m.sessions} sessions x {n_kda} layers", m.sessions * n_kda * kda_state_bytes(cfg)))
     if n_mla:
-        rows.append(("MLA latent cache", f"{m.sessions} x {m.context} tok x {n_mla} layers",
-                     n_mla * mla_cache_bytes(cfg, m.sessions, m.context, dtype)))
+        rows.append(
+            (
+                "MLA latent cache",
+                f"{m.sessions} x {m.context} tok x {n_mla} layers",
+                n_mla * mla_cache_bytes(cfg, m.sessions, m.context, dtype),
+            )
+        )
     if plan.layers:
-        rows.append(("activations + workspace", f"prefill chunk {m.prefill_chunk} tok",
-                     workspace_bytes(cfg, m.prefill_chunk)))
+        rows.append(
+            ("activations + workspace", f"prefill chunk {m.prefill_chunk} tok", workspace_bytes(cfg, m.prefill_chunk))
+        )
     if plan.head:
-        rows.append(("logits + sampling", f"{m.sessions} rows x vocab {cfg.vocab_size} fp32 x2",
-                     logits_bytes(cfg, m.sessions)))
+        rows.append(
+            ("logits + sampling", f"{m.sessions} rows x vocab {cfg.vocab_size} fp32 x2", logits_bytes(cfg, m.sessions))
+        )
     rows.append(("CUDA context + allocator reserve", "overhead_gb", int(m.overhead_gb * GiB)))
     return rows
 
 
-def runtime_bytes(cfg: K3Config, plan: SlotPlan, memory: MemorySpec | None = None,
-                  dtype=CACHE_DTYPE) -> int:
+def runtime_bytes(cfg: K3Config, plan: SlotPlan, memory: MemorySpec | None = None, dtype=CACHE_DTYPE) -> int:
     """Caches and workspace on top of the weights (see `runtime_items`)."""
     return sum(b for _, _, b in runtime_items(cfg, plan, memory, dtype))
 
 
-def estimate_slot_bytes(cfg: K3Config, plan: SlotPlan, memory: MemorySpec | None = None,
-                        formats: Mapping[str, str] | None = None) -> int:
+def estimate_slot_bytes(
+    cfg: K3Config, plan: SlotPlan, memory: MemorySpec | None = None, formats: Mapping[str, str] | None = None
+) -> int:
     """Device memory a slot needs for `plan`: its weights in `formats` (as shipped when none: MXFP4 experts
     stay packed; the first slot adds the embedding, the last the final norm + lm_head) plus caches and
     workspace (`memory`, default `MemorySpec()`). 0 for a plan without layers (a standby slot)."""

@@ -1,5 +1,6 @@
 """The tables of a topology file as dataclasses ([cluster], [model], [memory], one [[slots]] entry), the
 error type and the defaults. The `Topology` that holds them is in format.py."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,5 +1,6 @@
 """`Topology`: a parsed topology file (the tables of specs.py), its queries, and the entry points to a
 slot's plan (plans.py) and to validation (checks.py). Reading and writing the TOML is format.py's job."""
+
 from __future__ import annotations
 
 import os
@@ -87,22 +88,31 @@ class Topology:
         """The cluster secret from secret_file (relative to the topology file); whitespace stripped."""
         where = Path(self.source).parent if self.source else Path(".")
         if not self.cluster.secret_file:
-            raise TopologyError(f"[cluster] has no secret_file: add secret_file = \"cluster.key\" and create it with "
-                                f"`p2pk3 secret --out {where / 'cluster.key'}`", self.source)
+            raise TopologyError(
+                f'[cluster] has no secret_file: add secret_file = "cluster.key" and create it with '
+                f"`p2pk3 secret --out {where / 'cluster.key'}`",
+                self.source,
+            )
         p = self.resolve(self.cluster.secret_file)
         try:
             data = p.read_bytes().strip()
         except FileNotFoundError:
-            raise TopologyError(f"secret file {p} does not exist (create one with `p2pk3 secret --out {p}`)",
-                                self.source) from None
+            raise TopologyError(
+                f"secret file {p} does not exist (create one with `p2pk3 secret --out {p}`)", self.source
+            ) from None
         except IsADirectoryError:
-            raise TopologyError(f"secret_file {p} is a folder, not a file (point secret_file at the file "
-                                f"`p2pk3 secret --out` wrote)", self.source) from None
+            raise TopologyError(
+                f"secret_file {p} is a folder, not a file (point secret_file at the file `p2pk3 secret --out` wrote)",
+                self.source,
+            ) from None
         except PermissionError:
             raise TopologyError(f"secret file {p} is not readable by this user", self.source) from None
         if len(data) < 16:
-            raise TopologyError(f"secret file {p} holds {len(data)} bytes; use at least 16 random bytes "
-                                f"(`p2pk3 secret --out {p}` writes 64 hex characters)", self.source)
+            raise TopologyError(
+                f"secret file {p} holds {len(data)} bytes; use at least 16 random bytes "
+                f"(`p2pk3 secret --out {p}` writes 64 hex characters)",
+                self.source,
+            )
         return data
 
     def secret_problem(self) -> str | None:

@@ -26,6 +26,7 @@ large payloads, see FrameDecoder). Received tensors are memoryviews into that pa
 Per frame, header validation costs one msgpack unpack, a scan of the header bytes (which spares the
 walk over the header's values unless it holds bin data or deep nesting) and the tensor descriptor checks.
 """
+
 from __future__ import annotations
 
 import math
@@ -59,21 +60,55 @@ _ALIGN_MASK = -ALIGN
 
 # dtype name -> itemsize. Names follow torch (without the "torch." prefix).
 DTYPES: dict[str, int] = {
-    "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4,
-    "int64": 8, "uint64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
-    "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "int16": 2,
+    "uint16": 2,
+    "int32": 4,
+    "uint32": 4,
+    "int64": 8,
+    "uint64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float64": 8,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
 }
 # numpy view of each dtype. numpy has no bfloat16 / float8: they are returned as raw integers of the
 # same width (torch: `torch.frombuffer(mv, dtype=torch.bfloat16)` reads them directly).
 _NUMPY: dict[str, str] = {
-    "bool": "bool", "uint8": "uint8", "int8": "int8", "int16": "int16", "uint16": "uint16",
-    "int32": "int32", "uint32": "uint32", "int64": "int64", "uint64": "uint64", "float16": "float16",
-    "bfloat16": "uint16", "float32": "float32", "float64": "float64", "float8_e4m3fn": "uint8",
+    "bool": "bool",
+    "uint8": "uint8",
+    "int8": "int8",
+    "int16": "int16",
+    "uint16": "uint16",
+    "int32": "int32",
+    "uint32": "uint32",
+    "int64": "int64",
+    "uint64": "uint64",
+    "float16": "float16",
+    "bfloat16": "uint16",
+    "float32": "float32",
+    "float64": "float64",
+    "float8_e4m3fn": "uint8",
     "float8_e5m2": "uint8",
 }
-_FROM_NUMPY = {"bool": "bool", "uint8": "uint8", "int8": "int8", "int16": "int16", "uint16": "uint16",
-               "int32": "int32", "uint32": "uint32", "int64": "int64", "uint64": "uint64",
-               "float16": "float16", "float32": "float32", "float64": "float64"}
+_FROM_NUMPY = {
+    "bool": "bool",
+    "uint8": "uint8",
+    "int8": "int8",
+    "int16": "int16",
+    "uint16": "uint16",
+    "int32": "int32",
+    "uint32": "uint32",
+    "int64": "int64",
+    "uint64": "uint64",
+    "float16": "float16",
+    "float32": "float32",
+    "float64": "float64",
+}
 
 
 MAX_ERROR_MESSAGE = 500  # characters of a ProtocolError's message (they quote what the peer sent)
@@ -92,14 +127,14 @@ class ProtocolError(Exception):
     def __init__(self, *args: Any):
         if args and isinstance(args[0], str) and len(args[0]) > MAX_ERROR_MESSAGE:
             m = args[0]
-            args = (f"{m[:MAX_ERROR_MESSAGE - 40]}... [{len(m) - MAX_ERROR_MESSAGE + 40} more characters]",
-                    *args[1:])
+            args = (f"{m[: MAX_ERROR_MESSAGE - 40]}... [{len(m) - MAX_ERROR_MESSAGE + 40} more characters]", *args[1:])
         super().__init__(*args)
 
 
 # ------------------------------------------------------------------------------------------ tensors
-def tensor_desc(name: str, dtype: str, shape: Sequence[int], offset: int | None = None,
-                nbytes: int | None = None) -> dict[str, Any]:
+def tensor_desc(
+    name: str, dtype: str, shape: Sequence[int], offset: int | None = None, nbytes: int | None = None
+) -> dict[str, Any]:
     """A tensor descriptor for a header's `tensors` list. `offset` is filled in by `Frame.make` / `encode`."""
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(DTYPES)}")
@@ -165,8 +200,9 @@ class Frame:
     wire: bytes | None = field(default=None, repr=False, compare=False)
 
     @classmethod
-    def make(cls, kind: str, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]] | None = None,
-             **fields: Any) -> "Frame":
+    def make(
+        cls, kind: str, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]] | None = None, **fields: Any
+    ) -> "Frame":
         """Frame.make("forward", tensors={"prefix": ("bfloat16", (N, D), buf)}, segments=[...]).
         Tensors: numpy arrays (dtype inferred) or (dtype, shape, buffer) tuples; order is kept."""
         header: dict[str, Any] = {"kind": kind, **fields}
@@ -314,8 +350,9 @@ def encode_bytes(frame: Frame, *, checksum: bool = False) -> bytes:
 
 
 # ------------------------------------------------------------------------------------------ decoding
-def parse_prefix(b: bytes | memoryview, *, max_header: int = MAX_HEADER_LEN,
-                 max_payload: int = DEFAULT_MAX_PAYLOAD) -> tuple[int, int, int]:
+def parse_prefix(
+    b: bytes | memoryview, *, max_header: int = MAX_HEADER_LEN, max_payload: int = DEFAULT_MAX_PAYLOAD
+) -> tuple[int, int, int]:
     """(flags, header_len, payload_len) of an 18-byte prefix, after every limit check."""
     magic, version, flags, hlen, plen = PREFIX.unpack(b)
     if magic != MAGIC:
@@ -378,9 +415,9 @@ def _check_plain(obj: Any, depth: int = 0) -> None:
 # bytes that start a bin or ext object (bin 8/16/32, ext 8/16/32, fixext 1..16), 2 for those that start
 # a map or array (fixmap, fixarray, array 16/32, map 16/32).
 _CLASS = bytearray(256)
-for _b in (0xc4, 0xc5, 0xc6, 0xc7, 0xc8, 0xc9, 0xd4, 0xd5, 0xd6, 0xd7, 0xd8):
+for _b in (0xC4, 0xC5, 0xC6, 0xC7, 0xC8, 0xC9, 0xD4, 0xD5, 0xD6, 0xD7, 0xD8):
     _CLASS[_b] = 1
-for _b in list(range(0x80, 0xa0)) + [0xdc, 0xdd, 0xde, 0xdf]:
+for _b in list(range(0x80, 0xA0)) + [0xDC, 0xDD, 0xDE, 0xDF]:
     _CLASS[_b] = 2
 _CLASS = bytes(_CLASS)
 del _b
@@ -456,6 +493,7 @@ def validate_tensors(header: Mapping[str, Any], payload_len: int) -> list[dict[s
             raise _bad_tensor(i, name, f"bytes [{off}, {off + n}) lie outside the {payload_len}-byte payload")
         end = max(end, off + n)
     if payload_len > end:  # bytes no tensor covers: nothing may make us allocate (and read) those
-        raise ProtocolError(f"frame payload of {payload_len} bytes extends {payload_len - end} bytes past its "
-                            f"last tensor")
+        raise ProtocolError(
+            f"frame payload of {payload_len} bytes extends {payload_len - end} bytes past its last tensor"
+        )
     return descs

@@ -27,6 +27,7 @@ with uvloop and CPython >= 3.12; on CPython 3.11's selector loop, whose writelin
 may reuse its tensor buffers afterwards; it creates no future unless it has to wait. `forward()` sends
 a received frame on as it came in (no re-encoding), for stages passing frames along.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -75,8 +76,9 @@ class HandshakeTimeout(TransportError, TimeoutError):
     pass
 
 
-def _proof(secret: bytes, role: bytes, client_nonce: bytes, server_nonce: bytes, client_id: str,
-           server_id: str, version: int) -> bytes:
+def _proof(
+    secret: bytes, role: bytes, client_nonce: bytes, server_nonce: bytes, client_id: str, server_id: str, version: int
+) -> bytes:
     msg = bytearray(_AUTH_LABEL + b"\0" + role + b"\0" + client_nonce + server_nonce)
     for s in (client_id, server_id):
         b = s.encode()
@@ -173,9 +175,19 @@ class Connection:
     recv raises ProtocolError for a malformed frame (the connection is then closed, with the reason logged)
     and ConnectionClosed once the connection is closed and every frame received before is consumed."""
 
-    def __init__(self, *, node_id: str, secret: bytes, role: str, max_payload: int = DEFAULT_MAX_PAYLOAD,
-                 faults: Faults | None = None, alloc: Callable[[int], Any] | None = None,
-                 checksum: bool = False, max_queued: int = 64, expect_peer: str | None = None):
+    def __init__(
+        self,
+        *,
+        node_id: str,
+        secret: bytes,
+        role: str,
+        max_payload: int = DEFAULT_MAX_PAYLOAD,
+        faults: Faults | None = None,
+        alloc: Callable[[int], Any] | None = None,
+        checksum: bool = False,
+        max_queued: int = 64,
+        expect_peer: str | None = None,
+    ):
         self.node_id = check_node_id(node_id)
         self._secret_b = check_secret(secret)
         self.role = role
@@ -541,14 +553,20 @@ class Connection:
     async def _handshake(self) -> None:
         await self._ready
         nonce = os.urandom(NONCE_SIZE)
-        hello = Frame.make("hello", node_id=self.node_id, version=PROTOCOL_VERSION, nonce=nonce, role=self.role,
-                           software="p2pk3")
+        hello = Frame.make(
+            "hello", node_id=self.node_id, version=PROTOCOL_VERSION, nonce=nonce, role=self.role, software="p2pk3"
+        )
         await self._send_frame(hello, count=False)
         peer = await self._recv_handshake("hello")
         h = peer.header
         pid, pver, pnonce, prole = h.get("node_id"), h.get("version"), h.get("nonce"), h.get("role")
-        if not isinstance(pid, str) or not 0 < len(pid) <= 128 or not isinstance(pnonce, bytes) \
-                or len(pnonce) != NONCE_SIZE or not isinstance(pver, int):
+        if (
+            not isinstance(pid, str)
+            or not 0 < len(pid) <= 128
+            or not isinstance(pnonce, bytes)
+            or len(pnonce) != NONCE_SIZE
+            or not isinstance(pver, int)
+        ):
             raise ProtocolError("malformed hello frame")
         want_role = "server" if self.role == "client" else "client"
         if prole != want_role:
@@ -569,8 +587,10 @@ class Connection:
             await self._send_frame(Frame.make("auth", proof=mine), count=False)
             a = await self._recv_handshake("auth")
             if not hmac.compare_digest(_as_bytes(a.header.get("proof")), theirs):
-                raise AuthenticationError(f"authentication failed: server {addr} (node {pid!r}) could not prove "
-                                          f"the cluster secret (wrong cluster secret)")
+                raise AuthenticationError(
+                    f"authentication failed: server {addr} (node {pid!r}) could not prove "
+                    f"the cluster secret (wrong cluster secret)"
+                )
         else:
             a = await self._recv_handshake("auth")
             if not hmac.compare_digest(_as_bytes(a.header.get("proof")), theirs):
@@ -631,25 +651,56 @@ async def settle(conn: Connection, timeout: float = 1.0) -> None:
             conn._transport.abort()
 
 
-async def open_connection(host: str, port: int, secret: bytes | str, node_id: str, *,
-                          timeout: float = DEFAULT_CONNECT_TIMEOUT,
-                          handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
-                          max_payload: int = DEFAULT_MAX_PAYLOAD, faults: Faults | None = None,
-                          alloc: Callable[[int], Any] | None = None, checksum: bool = False,
-                          expect_peer: str | None = None, local_addr: tuple[str, int] | None = None,
-                          max_queued: int = 64) -> Connection:
+async def open_connection(
+    host: str,
+    port: int,
+    secret: bytes | str,
+    node_id: str,
+    *,
+    timeout: float = DEFAULT_CONNECT_TIMEOUT,
+    handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+    max_payload: int = DEFAULT_MAX_PAYLOAD,
+    faults: Faults | None = None,
+    alloc: Callable[[int], Any] | None = None,
+    checksum: bool = False,
+    expect_peer: str | None = None,
+    local_addr: tuple[str, int] | None = None,
+    max_queued: int = 64,
+) -> Connection:
     """Connect, authenticate (mutually) and return the Connection. Raises OSError / asyncio.TimeoutError
     when the TCP connect fails, AuthenticationError when the handshake does, HandshakeTimeout."""
     loop = asyncio.get_running_loop()
-    conn = Connection(node_id=node_id, secret=secret, role="client", max_payload=max_payload, faults=faults,
-                      alloc=alloc, checksum=checksum, expect_peer=expect_peer, max_queued=max_queued)
-    await asyncio.wait_for(loop.create_connection(lambda: ConnectionProtocol(conn), host, port, local_addr=local_addr), timeout)
+    conn = Connection(
+        node_id=node_id,
+        secret=secret,
+        role="client",
+        max_payload=max_payload,
+        faults=faults,
+        alloc=alloc,
+        checksum=checksum,
+        expect_peer=expect_peer,
+        max_queued=max_queued,
+    )
+    await asyncio.wait_for(
+        loop.create_connection(lambda: ConnectionProtocol(conn), host, port, local_addr=local_addr), timeout
+    )
     await run_handshake(conn, handshake_timeout)
     return conn
 
 
 __all__ = [
-    "PROTOCOL_VERSION", "TransportError", "ConnectionClosed", "AuthenticationError", "HandshakeTimeout",
-    "ProtocolError", "Connection", "ConnectionProtocol", "open_connection", "run_handshake", "settle",
-    "tune_socket", "check_secret", "check_node_id",
+    "PROTOCOL_VERSION",
+    "TransportError",
+    "ConnectionClosed",
+    "AuthenticationError",
+    "HandshakeTimeout",
+    "ProtocolError",
+    "Connection",
+    "ConnectionProtocol",
+    "open_connection",
+    "run_handshake",
+    "settle",
+    "tune_socket",
+    "check_secret",
+    "check_node_id",
 ]

@@ -4,6 +4,7 @@ The prefix and header go through a small staging buffer; the payload gets ONE bu
 `payload_len` bytes (after all limits are checked) and the socket reads straight into it (page-aligned and
 recycled for large payloads). Received tensors are memoryviews into that payload.
 """
+
 from __future__ import annotations
 
 import struct
@@ -13,8 +14,21 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .codec import (DEFAULT_MAX_PAYLOAD, FLAG_CRC32, KNOWN_FLAGS, MAGIC, MAX_HEADER_LEN, PREFIX, PREFIX_SIZE,
-                    TRAILER_SIZE, VERSION, Frame, ProtocolError, decode_header, parse_prefix)
+from .codec import (
+    DEFAULT_MAX_PAYLOAD,
+    FLAG_CRC32,
+    KNOWN_FLAGS,
+    MAGIC,
+    MAX_HEADER_LEN,
+    PREFIX,
+    PREFIX_SIZE,
+    TRAILER_SIZE,
+    VERSION,
+    Frame,
+    ProtocolError,
+    decode_header,
+    parse_prefix,
+)
 
 _PAGE = 4096
 
@@ -27,7 +41,7 @@ def _aligned_empty(n: int) -> tuple[np.ndarray, np.ndarray]:
     that is exactly where a plain np.empty / bytearray of a megabyte or more lands."""
     base = np.empty(n + _PAGE, dtype=np.uint8)
     off = -base.__array_interface__["data"][0] % _PAGE
-    return base, base[off:off + n]
+    return base, base[off : off + n]
 
 
 def default_alloc(n: int) -> memoryview:
@@ -75,8 +89,15 @@ class FrameDecoder:
     at most `pool` buffers (the most recently used) alive; `pool=0` disables it. A custom `alloc`
     replaces all of this."""
 
-    def __init__(self, *, max_header: int = MAX_HEADER_LEN, max_payload: int = DEFAULT_MAX_PAYLOAD,
-                 alloc: Callable[[int], Any] | None = None, staging_size: int = 256 << 10, pool: int = 2):
+    def __init__(
+        self,
+        *,
+        max_header: int = MAX_HEADER_LEN,
+        max_payload: int = DEFAULT_MAX_PAYLOAD,
+        alloc: Callable[[int], Any] | None = None,
+        staging_size: int = 256 << 10,
+        pool: int = 2,
+    ):
         self.max_header = max_header
         self.max_payload = max_payload
         self.alloc = alloc or default_alloc
@@ -103,7 +124,7 @@ class FrameDecoder:
 
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         if self._state == _PAYLOAD and self.error is None:
-            return self._payload[self._pfill:]
+            return self._payload[self._pfill :]
         if self.error is not None:
             raise self.error
         if self._w == len(self._stage):
@@ -113,12 +134,12 @@ class FrameDecoder:
             if need > len(self._stage):
                 # a new buffer (the old one may still be exported to the transport)
                 new = _aligned_empty(max(need, 2 * len(self._stage)))[1]
-                new[:avail] = self._smv[self._r:self._w]
+                new[:avail] = self._smv[self._r : self._w]
                 self._stage, self._smv = new, memoryview(new)
             elif self._r:
-                self._smv[:avail] = self._smv[self._r:self._w]
+                self._smv[:avail] = self._smv[self._r : self._w]
             self._r, self._w = 0, avail
-        return self._smv[self._w:]
+        return self._smv[self._w :]
 
     def buffer_updated(self, n: int) -> list[Frame]:
         if self.error is not None:
@@ -163,10 +184,17 @@ class FrameDecoder:
                     if avail < PREFIX_SIZE:
                         break
                     magic, version, flags, hlen, plen = _unpack_prefix(smv, r)
-                    if (magic != MAGIC or version != VERSION or flags & ~KNOWN_FLAGS or not hlen
-                            or hlen > self.max_header or plen > self.max_payload):
-                        parse_prefix(smv[r:r + PREFIX_SIZE], max_header=self.max_header,
-                                     max_payload=self.max_payload)  # raises the precise error
+                    if (
+                        magic != MAGIC
+                        or version != VERSION
+                        or flags & ~KNOWN_FLAGS
+                        or not hlen
+                        or hlen > self.max_header
+                        or plen > self.max_payload
+                    ):
+                        parse_prefix(
+                            smv[r : r + PREFIX_SIZE], max_header=self.max_header, max_payload=self.max_payload
+                        )  # raises the precise error
                     h0 = r + PREFIX_SIZE
                     end = h0 + hlen
                     if not flags and end + plen <= w and plen < POOL_MIN and self.alloc is default_alloc:
@@ -176,7 +204,7 @@ class FrameDecoder:
                         r = end + plen
                         payload = memoryview(bytearray(smv[end:r])) if plen else _EMPTY
                         descs = header.get("tensors")
-                        bufs = [payload[d["offset"]:d["offset"] + d["nbytes"]] for d in descs] if descs else []
+                        bufs = [payload[d["offset"] : d["offset"] + d["nbytes"]] for d in descs] if descs else []
                         out.append(Frame(header, bufs, payload, hb))
                         self.frames_decoded += 1
                         continue
@@ -187,7 +215,7 @@ class FrameDecoder:
                     hlen = self._hlen
                     if avail < hlen:
                         break
-                    hb = bytes(smv[r:r + hlen])
+                    hb = bytes(smv[r : r + hlen])
                     plen = self._plen
                     self._header = decode_header(hb, plen)
                     self._hbytes = hb
@@ -200,7 +228,7 @@ class FrameDecoder:
                         continue
                     if avail >= plen and plen < POOL_MIN and self.alloc is default_alloc:
                         # the whole (small) payload is here: one allocation of exactly plen bytes
-                        self._payload = memoryview(bytearray(smv[r:r + plen]))
+                        self._payload = memoryview(bytearray(smv[r : r + plen]))
                         r += plen
                         self._pfill = plen
                         self._after_payload(out)
@@ -208,7 +236,7 @@ class FrameDecoder:
                     self._payload = payload = self._alloc(plen)
                     k = avail if avail < plen else plen
                     if k:
-                        payload[:k] = smv[r:r + k]
+                        payload[:k] = smv[r : r + k]
                         r += k
                     self._pfill = k
                     self._state = _PAYLOAD
@@ -223,8 +251,9 @@ class FrameDecoder:
                     r += TRAILER_SIZE
                     got = zlib.crc32(self._payload, zlib.crc32(self._hbytes))
                     if got != crc:
-                        raise ProtocolError(f"frame checksum mismatch (crc32 0x{got:08x} != 0x{crc:08x}): "
-                                            "corrupted in transit")
+                        raise ProtocolError(
+                            f"frame checksum mismatch (crc32 0x{got:08x} != 0x{crc:08x}): corrupted in transit"
+                        )
                     self._emit(out)
                 else:  # _PAYLOAD, more to read
                     break
@@ -254,14 +283,14 @@ class FrameDecoder:
                 base, off = pool.pop(i), offs.pop(i)
                 pool.append(base)
                 offs.append(off)
-                return memoryview(base[off:off + n])
+                return memoryview(base[off : off + n])
         if len(pool) >= self._pool_max:
             del pool[0], offs[0]
         base = np.empty(n + _PAGE, dtype=np.uint8)
         off = -base.__array_interface__["data"][0] % _PAGE
         pool.append(base)
         offs.append(off)
-        return memoryview(base[off:off + n])
+        return memoryview(base[off : off + n])
 
     def _after_payload(self, out: list[Frame]) -> None:
         if self._flags & FLAG_CRC32:
@@ -272,7 +301,7 @@ class FrameDecoder:
     def _emit(self, out: list[Frame]) -> None:
         header, payload = self._header, self._payload
         descs = header.get("tensors")
-        bufs = [payload[d["offset"]:d["offset"] + d["nbytes"]] for d in descs] if descs else []
+        bufs = [payload[d["offset"] : d["offset"] + d["nbytes"]] for d in descs] if descs else []
         out.append(Frame(header, bufs, payload, self._hbytes))
         self.frames_decoded += 1
         self._header = self._payload = None

@@ -3,6 +3,7 @@ handshake (delay, abort, black hole, one corrupted byte). Sans-IO: no sockets, n
 connection's one send path (`Connection._send_frame` in p2pk3.transport.connection) asks these questions
 about every frame it encodes, so a faulty connection runs exactly the production code around the fault:
 the same encoding, the same writev / transport hand-off, the same close and error paths."""
+
 from __future__ import annotations
 
 import random
@@ -31,8 +32,13 @@ class Faults:
 
     @property
     def active(self) -> bool:
-        return bool(self.delay_s or self.jitter_s or self.close_after is not None or self.drop_after is not None
-                    or self.corrupt_frame is not None)
+        return bool(
+            self.delay_s
+            or self.jitter_s
+            or self.close_after is not None
+            or self.drop_after is not None
+            or self.corrupt_frame is not None
+        )
 
     def closes_at(self, sent: int) -> bool:
         """Whether the connection is to be aborted once `sent` frames have been sent."""

@@ -2,6 +2,7 @@
 each accepted connection runs the handshake (p2pk3.transport.connection), then the caller's handler, and
 is closed when the handler returns. Bad peers are logged, counted (`auth_failures`) and dropped; the server
 keeps serving."""
+
 from __future__ import annotations
 
 import asyncio
@@ -10,8 +11,18 @@ import socket
 from typing import Any, Awaitable, Callable
 
 from .codec import DEFAULT_MAX_PAYLOAD, ProtocolError
-from .connection import (DEFAULT_HANDSHAKE_TIMEOUT, AuthenticationError, Connection, ConnectionClosed,
-                         ConnectionProtocol, TransportError, check_node_id, check_secret, run_handshake, settle)
+from .connection import (
+    DEFAULT_HANDSHAKE_TIMEOUT,
+    AuthenticationError,
+    Connection,
+    ConnectionClosed,
+    ConnectionProtocol,
+    TransportError,
+    check_node_id,
+    check_secret,
+    run_handshake,
+    settle,
+)
 from .faults import Faults
 
 log = logging.getLogger("p2pk3.transport")
@@ -114,13 +125,34 @@ class Server:
         await self.wait_closed()
 
 
-async def serve(host: str, port: int, secret: bytes | str, node_id: str, handler: Handler, *,
-                max_payload: int = DEFAULT_MAX_PAYLOAD, handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
-                faults: Faults | None = None, alloc: Callable[[int], Any] | None = None, checksum: bool = False,
-                reuse_port: bool | None = None, backlog: int = 128, max_queued: int = 64) -> Server:
+async def serve(
+    host: str,
+    port: int,
+    secret: bytes | str,
+    node_id: str,
+    handler: Handler,
+    *,
+    max_payload: int = DEFAULT_MAX_PAYLOAD,
+    handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+    faults: Faults | None = None,
+    alloc: Callable[[int], Any] | None = None,
+    checksum: bool = False,
+    reuse_port: bool | None = None,
+    backlog: int = 128,
+    max_queued: int = 64,
+) -> Server:
     """Listen on host:port (port 0: any free port, see `server.port`) and return the started Server."""
-    srv = Server(check_secret(secret), node_id, handler, max_payload=max_payload, handshake_timeout=handshake_timeout,
-                 faults=faults, alloc=alloc, checksum=checksum, max_queued=max_queued)
+    srv = Server(
+        check_secret(secret),
+        node_id,
+        handler,
+        max_payload=max_payload,
+        handshake_timeout=handshake_timeout,
+        faults=faults,
+        alloc=alloc,
+        checksum=checksum,
+        max_queued=max_queued,
+    )
     loop = asyncio.get_running_loop()
     srv._server = await loop.create_server(srv._factory, host, port, reuse_port=reuse_port, backlog=backlog)
     return srv

@@ -20,6 +20,7 @@ DESCRIPTION sections of man pages; ``fixed_questions`` picks 10 of them for eval
 
     python -m tools.doc_corpus --out runs/corpus      # build (or load the cache in runs/corpus) and summarise
 """
+
 from __future__ import annotations
 
 import json
@@ -30,9 +31,26 @@ from .qa import BUILTIN_DOCS, WELL_KNOWN, fixed_questions, qa_pairs
 from .rst import clean_rst, rst_labels
 from .splits import overlap, split_documents, split_of
 
-__all__ = ["BUILTIN_DOCS", "MAN_PACKAGES", "MIN_CHARS", "PY_SOURCES", "VERSION", "WELL_KNOWN", "clean_man",
-           "clean_rst", "fixed_questions", "load_documents", "man_files", "overlap", "py_sources", "qa_pairs",
-           "render_man", "rst_labels", "split_documents", "split_of"]
+__all__ = [
+    "BUILTIN_DOCS",
+    "MAN_PACKAGES",
+    "MIN_CHARS",
+    "PY_SOURCES",
+    "VERSION",
+    "WELL_KNOWN",
+    "clean_man",
+    "clean_rst",
+    "fixed_questions",
+    "load_documents",
+    "man_files",
+    "overlap",
+    "py_sources",
+    "qa_pairs",
+    "render_man",
+    "rst_labels",
+    "split_documents",
+    "split_of",
+]
 
 PY_SOURCES = Path("/usr/share/doc/python3.11/html/_sources")
 VERSION = 1  # of the cleaning; a docs.json written by another version is rebuilt
@@ -41,8 +59,10 @@ MIN_CHARS = 200
 
 def py_sources(root: Path | None = None) -> dict[str, str]:
     root = root or PY_SOURCES
-    return {"py/" + str(p.relative_to(root))[:-len(".rst.txt")]: p.read_text("utf-8", "replace")
-            for p in sorted(root.rglob("*.rst.txt"))}
+    return {
+        "py/" + str(p.relative_to(root))[: -len(".rst.txt")]: p.read_text("utf-8", "replace")
+        for p in sorted(root.rglob("*.rst.txt"))
+    }
 
 
 def load_documents(cache: str | Path | None = None) -> dict[str, str]:

@@ -1,4 +1,5 @@
 """``python -m tools.doc_corpus --out DIR``: build (or load the cache in DIR) and summarise the corpus."""
+
 from __future__ import annotations
 
 import argparse
@@ -17,8 +18,10 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     docs = load_documents(a.out)
     splits = split_documents(docs)
-    print(f"{'source':8}{'split':>9}{'docs':>7}{'MB':>8}   (after dedup; before: {len(docs)} docs, "
-          f"{sum(map(len, docs.values())) / 1e6:.2f} MB)")
+    print(
+        f"{'source':8}{'split':>9}{'docs':>7}{'MB':>8}   (after dedup; before: {len(docs)} docs, "
+        f"{sum(map(len, docs.values())) / 1e6:.2f} MB)"
+    )
     for src in ("py", "man"):
         for split, part in splits.items():
             texts = [t for k, t in part.items() if k.startswith(src + "/")]
@@ -33,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in rng.sample(sorted(docs), 3):
         text = docs[name]
         start = max(0, text.rfind("\n\n", 0, rng.randrange(max(1, len(text) - 800))) + 2)
-        print(f"\n--- {name} @{start}\n{text[start:start + 800]}")
+        print(f"\n--- {name} @{start}\n{text[start : start + 800]}")
     print()
     for _, q, ans, name in rng.sample(items, min(5, len(items))):
         print(f"Q [{name}]: {q}\nA: {ans}\n")

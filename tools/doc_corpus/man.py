@@ -1,5 +1,6 @@
 """Man pages (the ``manpages`` and ``manpages-dev`` packages): the installed files (``man_files``), their groff text
 rendering (``render_man``) and its cleaning (``clean_man``)."""
+
 from __future__ import annotations
 
 import gzip
@@ -33,8 +34,13 @@ def clean_man(rendered: str) -> str:
             out += ["", line.strip(), ""]  # a section (indent 0) or subsection (3) heading
         elif line:
             body = re.sub(r"(?<=[\w)\"'][.!?])  (?=[A-Z(])", " ", line.strip())
-            if out and re.search(r"[A-Za-z]-$", out[-1]) and not out[-1].endswith("--") and \
-                    ind - 7 == _indent(out[-1]) and re.match(r"[a-z]", body):
+            if (
+                out
+                and re.search(r"[A-Za-z]-$", out[-1])
+                and not out[-1].endswith("--")
+                and ind - 7 == _indent(out[-1])
+                and re.match(r"[a-z]", body)
+            ):
                 word, _, body = body.partition(" ")
                 out[-1] += word
                 if not body:
@@ -51,8 +57,12 @@ def _render(path: str) -> tuple[str, str | None]:
     data = gzip.open(path).read()
     if re.search(rb"^\.so ", data, re.M) and len(re.findall(rb"^\.(?!\\\")", data, re.M)) < 3:
         return f"man/{page}.{sec}", None  # a redirect to another page
-    r = subprocess.run(["groff", "-k", "-t", "-man", "-Tutf8", "-P-cbou", "-rLL=80n", "-rHY=0"],
-                       input=b".ad l\n" + data, capture_output=True, timeout=120)
+    r = subprocess.run(
+        ["groff", "-k", "-t", "-man", "-Tutf8", "-P-cbou", "-rLL=80n", "-rHY=0"],
+        input=b".ad l\n" + data,
+        capture_output=True,
+        timeout=120,
+    )
     return f"man/{page}.{sec}", r.stdout.decode("utf-8", "replace") if r.returncode == 0 else None
 
 
@@ -61,8 +71,11 @@ def man_files() -> list[str]:
         out = subprocess.run(["dpkg-query", "-L", *MAN_PACKAGES], capture_output=True, text=True).stdout
     except OSError:
         return []
-    return sorted(p for p in out.split("\n") if re.search(r"/man/man\w+/[^/]+\.gz$", p) and not os.path.islink(p)
-                  and os.path.isfile(p))
+    return sorted(
+        p
+        for p in out.split("\n")
+        if re.search(r"/man/man\w+/[^/]+\.gz$", p) and not os.path.islink(p) and os.path.isfile(p)
+    )
 
 
 def render_man(files: list[str], processes: int = 2) -> dict[str, str]:

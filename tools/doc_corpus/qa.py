@@ -1,5 +1,6 @@
 """(question, answer, document) pairs derived from the cleaned documents' structure (``qa_pairs``) and the 10 fixed
 evaluation questions of a split (``fixed_questions``)."""
+
 from __future__ import annotations
 
 import re
@@ -8,17 +9,42 @@ from itertools import zip_longest
 from .splits import split_of
 from .text import _indent, _paras
 
-_PYSIG = re.compile(r"(class |exception |@|classmethod |static |coroutine |abstractmethod |awaitable )?"
-                    r"([A-Za-z_]\w*(?:\.\w+)*)(\s?\(.*\))?(\s*->.*)?$")
+_PYSIG = re.compile(
+    r"(class |exception |@|classmethod |static |coroutine |abstractmethod |awaitable )?"
+    r"([A-Za-z_]\w*(?:\.\w+)*)(\s?\(.*\))?(\s*->.*)?$"
+)
 _CSIG = re.compile(r"(?:[\w\s*]+?[\s*])?(_?Py[A-Z_]\w*)(\(.*\))?$")
-_GENERIC = set("examples|example|overview|introduction|notes|usage|functions|classes|constants|exceptions|methods|"
-               "attributes|summary|contents|background|details|footnotes|reference|api|module contents|data|objects|"
-               "tutorial|basic usage|availability|limitations|security considerations|options|installation|other|"
-               "interface|miscellaneous|command-line interface|command line interface|command-line usage|syntax|"
-               "command-line options|functions and classes|module functions|description|type objects".split("|"))
+_GENERIC = set(
+    "examples|example|overview|introduction|notes|usage|functions|classes|constants|exceptions|methods|"
+    "attributes|summary|contents|background|details|footnotes|reference|api|module contents|data|objects|"
+    "tutorial|basic usage|availability|limitations|security considerations|options|installation|other|"
+    "interface|miscellaneous|command-line interface|command line interface|command-line usage|syntax|"
+    "command-line options|functions and classes|module functions|description|type objects".split("|")
+)
 _NOT_ANSWER = ("New in version", "Changed in version", "Deprecated since", "Availability:", "Source code:")
-WELL_KNOWN = {"os", "sys", "re", "json", "os.path", "math", "itertools", "functools", "collections", "subprocess",
-              "pathlib", "random", "string", "time", "datetime", "shutil", "io", "str", "list", "dict", "int"}
+WELL_KNOWN = {
+    "os",
+    "sys",
+    "re",
+    "json",
+    "os.path",
+    "math",
+    "itertools",
+    "functools",
+    "collections",
+    "subprocess",
+    "pathlib",
+    "random",
+    "string",
+    "time",
+    "datetime",
+    "shutil",
+    "io",
+    "str",
+    "list",
+    "dict",
+    "int",
+}
 BUILTIN_DOCS = {"py/library/functions", "py/library/stdtypes", "py/library/exceptions", "py/library/constants"}
 
 
@@ -49,7 +75,7 @@ def _is_code(par: str) -> bool:
 
 
 def _first_answer(paras: list[str], k: int) -> str | None:
-    for p in paras[k:k + 3]:
+    for p in paras[k : k + 3]:
         if _is_code(p) or p.startswith(_NOT_ANSWER):
             continue
         if _indent(p) or ("\n" not in p and not p.rstrip().endswith((".", ":", "!", "?"))):
@@ -82,13 +108,25 @@ def _py_items(name: str, text: str):
             continue
         head = p.strip()
         mod = re.match(r"([a-z_][\w.]*) (?:---|—|-) \S", head)
-        if "\n" in head or len(head) > 80 or head.endswith((".", ",", ":", ";")) or head.lower() in _GENERIC or \
-                not (mod or head[0].isupper()) or head.startswith(("Note:", "Warning:", "See also")) or \
-                re.search(r"\*|->|\w_\w+$", head):  # no C declarations or diagrams
+        if (
+            "\n" in head
+            or len(head) > 80
+            or head.endswith((".", ",", ":", ";"))
+            or head.lower() in _GENERIC
+            or not (mod or head[0].isupper())
+            or head.startswith(("Note:", "Warning:", "See also"))
+            or re.search(r"\*|->|\w_\w+$", head)
+        ):  # no C declarations or diagrams
             continue
         ans = _first_answer(paras, k + 1)
         if ans:
-            q = f"What is the {mod.group(1)} module?" if mod else head if head.endswith("?") else f"Tell me about {head}."
+            q = (
+                f"What is the {mod.group(1)} module?"
+                if mod
+                else head
+                if head.endswith("?")
+                else f"Tell me about {head}."
+            )
             yield "py-section", q, ans
 
 
@@ -102,9 +140,11 @@ def _man_item(name: str, text: str):
     page, sec = name[4:].rsplit(".", 1)
     names = [x.strip() for x in m.group(1).split(",")]
     prime = page if page in names else names[0]
-    q = {"2": f"What does the {prime}() system call do?", "3": f"What does the {prime}() function do?",
-         "4": f"What is the {prime} device?"}.get(sec, f"What does the {prime} command do?" if sec in "168" else
-                                                    f"What is {prime}?")
+    q = {
+        "2": f"What does the {prime}() system call do?",
+        "3": f"What does the {prime}() function do?",
+        "4": f"What is the {prime} device?",
+    }.get(sec, f"What does the {prime} command do?" if sec in "168" else f"What is {prime}?")
     ans = _first_answer(paras, paras.index("DESCRIPTION") + 1) if "DESCRIPTION" in paras else None
     desc = m.group(2).strip()
     yield "man", q, ans or desc[0].upper() + desc[1:].rstrip(".") + "."
@@ -138,8 +178,13 @@ def fixed_questions(docs: dict[str, str], split: str) -> list[tuple[str, str, st
         m = re.search(r"`([^`]+)`|the (\S+?)(?:\(\))? ", q)
         ident = (m.group(1) or m.group(2)) if m else q
         known = ident.rsplit(".", 1)[0] in WELL_KNOWN if "." in ident else name in BUILTIN_DOCS
-        tier = {"py-callable": 0 if known else 1, "py-object": 1 if known else 2, "py-section": 3, "py-c-api": 4,
-                "man": 0 if re.search(r"\.[18]$", name) else 1 if re.search(r"\.[23]$", name) else 2}[kind]
+        tier = {
+            "py-callable": 0 if known else 1,
+            "py-object": 1 if known else 2,
+            "py-section": 3,
+            "py-c-api": 4,
+            "man": 0 if re.search(r"\.[18]$", name) else 1 if re.search(r"\.[23]$", name) else 2,
+        }[kind]
         return tier, len(ident), q
 
     def best_per_doc(src: str) -> list:

@@ -1,5 +1,6 @@
 """reStructuredText (the python3.11-doc sources) -> prose, signature lines and 4-space-indented code: ``clean_rst``,
 and the section titles of ``:ref:`` targets: ``rst_labels``."""
+
 from __future__ import annotations
 
 import re
@@ -7,28 +8,96 @@ import textwrap
 
 from .text import _collapse, _indent
 
-_ADORN = set("=*-^~#\"")
+_ADORN = set('=*-^~#"')
 _DIRECTIVE = re.compile(r"\.\.\s+([\w:-]+)::(?:\s+(.*))?$")
 _OPTION = re.compile(r":[\w -]+:(\s|$)")
 _SIMPLE = re.compile(r"=+( +=+)+\s*$")
 _ITEM = re.compile(r"([-*+•]|#\.|\d+\.|\(?[a-zA-Z0-9]\)) +\S")
-_PREFIX = {"class": "class ", "exception": "exception ", "decorator": "@", "decoratormethod": "@",
-           "classmethod": "classmethod ", "staticmethod": "static ", "coroutinefunction": "coroutine ",
-           "coroutinemethod": "coroutine ", "abstractmethod": "abstractmethod ", "awaitablefunction": "awaitable ",
-           "awaitablemethod": "awaitable ", "function": "", "method": "", "attribute": "", "data": "", "property": ""}
-_VERBATIM = {"describe", "object", "opcode", "cmdoption", "option", "envvar", "pdbcommand", "c:function", "c:member",
-             "c:type", "c:var", "c:macro", "c:struct", "c:union", "c:enum", "c:enumerator"}
-_ADMONITION = {"note": "Note: ", "warning": "Warning: ", "important": "Important: ", "caution": "Caution: ",
-               "tip": "Tip: ", "hint": "Hint: ", "attention": "Attention: ", "danger": "Danger: ",
-               "error": "Error: ", "impl-detail": "CPython implementation detail: ", "seealso": "See also: "}
-_VERSIONED = {"versionadded": "New in version {}", "versionchanged": "Changed in version {}",
-              "deprecated": "Deprecated since version {}",
-              "deprecated-removed": "Deprecated since version {}, will be removed in version {}"}
+_PREFIX = {
+    "class": "class ",
+    "exception": "exception ",
+    "decorator": "@",
+    "decoratormethod": "@",
+    "classmethod": "classmethod ",
+    "staticmethod": "static ",
+    "coroutinefunction": "coroutine ",
+    "coroutinemethod": "coroutine ",
+    "abstractmethod": "abstractmethod ",
+    "awaitablefunction": "awaitable ",
+    "awaitablemethod": "awaitable ",
+    "function": "",
+    "method": "",
+    "attribute": "",
+    "data": "",
+    "property": "",
+}
+_VERBATIM = {
+    "describe",
+    "object",
+    "opcode",
+    "cmdoption",
+    "option",
+    "envvar",
+    "pdbcommand",
+    "c:function",
+    "c:member",
+    "c:type",
+    "c:var",
+    "c:macro",
+    "c:struct",
+    "c:union",
+    "c:enum",
+    "c:enumerator",
+}
+_ADMONITION = {
+    "note": "Note: ",
+    "warning": "Warning: ",
+    "important": "Important: ",
+    "caution": "Caution: ",
+    "tip": "Tip: ",
+    "hint": "Hint: ",
+    "attention": "Attention: ",
+    "danger": "Danger: ",
+    "error": "Error: ",
+    "impl-detail": "CPython implementation detail: ",
+    "seealso": "See also: ",
+}
+_VERSIONED = {
+    "versionadded": "New in version {}",
+    "versionchanged": "Changed in version {}",
+    "deprecated": "Deprecated since version {}",
+    "deprecated-removed": "Deprecated since version {}, will be removed in version {}",
+}
 _CODE = {"code-block", "sourcecode", "code", "doctest", "testcode", "testoutput", "parsed-literal"}
-_DROP = {"index", "moduleauthor", "sectionauthor", "highlight", "toctree", "tabularcolumns", "audit-event",
-         "audit-event-table", "include", "literalinclude", "testsetup", "testcleanup", "contents", "image", "figure",
-         "raw", "program", "limited-api-list", "miscnews", "c:namespace", "c:namespace-push", "c:namespace-pop",
-         "default-role", "role", "sectnum", "meta", "opcode-list"}
+_DROP = {
+    "index",
+    "moduleauthor",
+    "sectionauthor",
+    "highlight",
+    "toctree",
+    "tabularcolumns",
+    "audit-event",
+    "audit-event-table",
+    "include",
+    "literalinclude",
+    "testsetup",
+    "testcleanup",
+    "contents",
+    "image",
+    "figure",
+    "raw",
+    "program",
+    "limited-api-list",
+    "miscnews",
+    "c:namespace",
+    "c:namespace-push",
+    "c:namespace-pop",
+    "default-role",
+    "role",
+    "sectnum",
+    "meta",
+    "opcode-list",
+}
 _TITLED = {"topic", "sidebar", "table", "rubric", "admonition"}
 
 
@@ -89,10 +158,15 @@ def _inline(text: str, subs: dict, labels: dict) -> str:
         return f"\x00{len(kept) - 1}\x00"
 
     text = re.sub(r"``(.+?)``", lambda m: keep(" ".join(m.group(1).split())), text, flags=re.S)
-    text = re.sub(r":(?:[a-zA-Z][\w+.-]*:)?([a-zA-Z][\w+.-]*):`(.+?)(?<!\\)`",
-                  lambda m: keep(_role(m.group(1), m.group(2), labels)), text, flags=re.S)
-    text = re.sub(r"`([^`<]*?)\s*<([^`>]*)>`__?", lambda m: keep(" ".join((m.group(1) or m.group(2)).split())),
-                  text, flags=re.S)
+    text = re.sub(
+        r":(?:[a-zA-Z][\w+.-]*:)?([a-zA-Z][\w+.-]*):`(.+?)(?<!\\)`",
+        lambda m: keep(_role(m.group(1), m.group(2), labels)),
+        text,
+        flags=re.S,
+    )
+    text = re.sub(
+        r"`([^`<]*?)\s*<([^`>]*)>`__?", lambda m: keep(" ".join((m.group(1) or m.group(2)).split())), text, flags=re.S
+    )
     text = re.sub(r"`([^`]+)`(?:__?)?", lambda m: keep(" ".join(m.group(1).split())), text, flags=re.S)
     text = re.sub(r" ?\[(?:#[\w-]*|\d+|\*|[A-Z][\w-]*)\]_", "", text)
     text = re.sub(r"(?<![\w.])([A-Za-z][\w-]*[A-Za-z0-9])__?(?=[\s.,;:)!?]|$)", r"\1", text)  # reference_
@@ -117,7 +191,7 @@ def _table(lines: list[str], inl) -> list[str]:
             if len(cuts) == 2:  # a one-column frame around a nested table: its lines as rows
                 rows.append([re.sub(r"^\|(?:\s+|$)", "", x.strip()) for x in re.split(r"\s\|(?:\s+\|)?\s", line[1:-1])])
                 continue
-            cells = [line[a + 1:b].strip(" |") for a, b in zip(cuts, cuts[1:])]
+            cells = [line[a + 1 : b].strip(" |") for a, b in zip(cuts, cuts[1:])]
             cur = cells if cur is None else [f"{x} {y}".strip() for x, y in zip(cur, cells)]
         if cur:
             rows.append(cur)
@@ -152,14 +226,20 @@ def _signature(kind: str, sig: str, ctx: dict, cls: str | None) -> tuple[str, st
 def _prefixed(prefix: str, lines: list[str]) -> list[str]:
     for k, line in enumerate(lines):
         if line.strip():
-            return lines[:k] + [prefix + line.lstrip()] + lines[k + 1:]
+            return lines[:k] + [prefix + line.lstrip()] + lines[k + 1 :]
     return ["", prefix.rstrip(": ") + "."]
 
 
 def _directive(name: str, arg: str, blk: list[str], ctx: dict, cls: str | None) -> list[str]:
     k = 0
-    if name in _PREFIX or name in _VERBATIM or name in _VERSIONED or name in _CODE or name in _TITLED or \
-            name in ("availability", "module", "currentmodule"):
+    if (
+        name in _PREFIX
+        or name in _VERBATIM
+        or name in _VERSIONED
+        or name in _CODE
+        or name in _TITLED
+        or name in ("availability", "module", "currentmodule")
+    ):
         while k < len(blk) and blk[k].strip() and not _OPTION.match(blk[k].strip()):
             k += 1  # continuation lines of the arguments
     args = [arg] if arg else []
@@ -238,7 +318,7 @@ def _rst_lines(lines: list[str], ctx: dict, cls: str | None = None) -> list[str]
             continue
         if line.startswith(".."):
             j = _block_end(lines, i + 1)
-            blk, text = _dedent(lines[i + 1:j]), line[2:].strip()
+            blk, text = _dedent(lines[i + 1 : j]), line[2:].strip()
             m = _DIRECTIVE.match(line)
             if m and not text.startswith("|"):
                 out += _directive(m.group(1).lower(), (m.group(2) or "").strip(), blk, ctx, cls)
@@ -258,8 +338,8 @@ def _rst_lines(lines: list[str], ctx: dict, cls: str | None = None) -> list[str]
         item = _ITEM.match(line)
         if item:  # a list item: its body (the lines indented under it) cleaned as a block, under the marker
             j = _block_end(lines, i + 1)
-            w = min([item.end() - 1] + [_indent(x) for x in lines[i + 1:j] if x.strip()])
-            body = _rst_lines([line[w:]] + [x[w:] for x in lines[i + 1:j]], ctx, cls)
+            w = min([item.end() - 1] + [_indent(x) for x in lines[i + 1 : j] if x.strip()])
+            body = _rst_lines([line[w:]] + [x[w:] for x in lines[i + 1 : j]], ctx, cls)
             k = next((k for k, x in enumerate(body) if x.strip()), 0)
             out += ["" if not x else (line[:w] if k == m else " " * w) + x for m, x in enumerate(body)]
             i = j
@@ -297,7 +377,11 @@ def rst_labels(sources: dict[str, str]) -> dict[str, str]:
     """{label: title} of every `.. _label:` target directly followed by a section title."""
     labels = {}
     for text in sources.values():
-        for m in re.finditer(r"^\.\. _([^:\n]+):\s*\n(?:\.\. _[^\n]+\n|\s*\n)*(?:[=*\-^~#\"]+\n)?(\S[^\n]*)\n"
-                             r"([=*\-^~#\"])\3+\n", text, re.M):
+        for m in re.finditer(
+            r"^\.\. _([^:\n]+):\s*\n(?:\.\. _[^\n]+\n|\s*\n)*(?:[=*\-^~#\"]+\n)?(\S[^\n]*)\n"
+            r"([=*\-^~#\"])\3+\n",
+            text,
+            re.M,
+        ):
             labels[m.group(1).lower()] = " ".join(_inline(m.group(2), {}, {}).split())
     return labels

@@ -1,5 +1,6 @@
 """The held-out / val / train split of the documents by a hash of their names (``split_of``, ``split_documents``,
 with the paragraph de-duplication) and the word n-gram ``overlap`` that measures what leaks."""
+
 from __future__ import annotations
 
 import hashlib
@@ -38,7 +39,7 @@ def _key(par: str) -> str:
 
 def _ngrams(text: str, n: int) -> set:
     w = text.split()
-    return {" ".join(w[k:k + n]) for k in range(len(w) - n + 1)}
+    return {" ".join(w[k : k + n]) for k in range(len(w) - n + 1)}
 
 
 def overlap(held: dict[str, str], train: dict[str, str], n: int = 8) -> float:

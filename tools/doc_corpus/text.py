@@ -1,4 +1,5 @@
 """Line and paragraph helpers shared by the cleaners (rst, man), the splits and the question extraction."""
+
 from __future__ import annotations
 
 import re

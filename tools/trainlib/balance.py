@@ -1,6 +1,7 @@
 """Router balancing without an aux loss (spec section 7): the routers' scores of the last training forward
 (`RouterTap`), K3's quantile balancing in a simple form (`qb_update`) or DeepSeek-V3's sign rule
 (`sign_update`), applied to `e_score_correction_bias` after every step; `imbalance` measures the load."""
+
 from __future__ import annotations
 
 import torch
@@ -24,6 +25,7 @@ class RouterTap:
             if mod.training:
                 with torch.no_grad():
                     self.scores[i] = torch.sigmoid(args[0].detach().float() @ mod.weight.detach().float().T)
+
         return fn
 
 
@@ -40,7 +42,7 @@ def qb_update(bias: torch.Tensor, s: torch.Tensor, k: int, rate: float) -> None:
     z = s + bias
     top = torch.topk(z, k + 1, dim=-1).values  # [N, k+1]
     chosen = torch.zeros_like(z, dtype=torch.bool).scatter_(1, torch.topk(z, k, dim=-1).indices, True)
-    c = torch.where(chosen, top[:, k:k + 1], top[:, k - 1:k])
+    c = torch.where(chosen, top[:, k : k + 1], top[:, k - 1 : k])
     d = (c - s).sort(0).values  # [N, n] ascending per expert
     m = N * k // n
     tgt = 0.5 * (d[m - 1] + d[min(m, N - 1)])

@@ -2,6 +2,7 @@
 non-overlapping windows, the unigram baseline, greedy decoding with the serving path, the export reloaded
 through the real loader, the same numbers through a local ring of daemons, and the eval slice that ships
 with a model (tests/test_shipped_model.py)."""
+
 from __future__ import annotations
 
 import json
@@ -34,11 +35,11 @@ def nll_windows(stage: K3Stage, ids: list[int], T: int, batch: int = 8) -> tuple
     was = stage.training
     stage.eval()
     n_win = (len(ids) - 1) // T
-    xs = torch.tensor([ids[w * T: w * T + T + 1] for w in range(n_win)], dtype=torch.long)
+    xs = torch.tensor([ids[w * T : w * T + T + 1] for w in range(n_win)], dtype=torch.long)
     tot, cnt = 0.0, 0
     with torch.inference_mode():
         for i in range(0, n_win, batch):
-            xb = xs[i:i + batch]
+            xb = xs[i : i + batch]
             lg = forward_batch(stage, xb[:, :-1])
             tot += float(F.cross_entropy(lg.float(), xb[:, 1:].reshape(-1), reduction="sum"))
             cnt += xb[:, 1:].numel()
@@ -64,7 +65,9 @@ def unigram_ppl(train_ids: list[int], eval_ids: list[int], vocab: int, T: int | 
 
 
 @torch.no_grad()
-def greedy(stage: K3Stage, prompt: list[int], max_new: int, stop: set[int] = frozenset(), session: str = "g") -> list[int]:
+def greedy(
+    stage: K3Stage, prompt: list[int], max_new: int, stop: set[int] = frozenset(), session: str = "g"
+) -> list[int]:
     """Greedy decoding with the serving path: one prefill segment, then one-token decode segments."""
     stage.eval()
     with torch.inference_mode():
@@ -93,8 +96,15 @@ def load_shipped(model_dir: str | Path, dtype=torch.float32) -> K3Stage:
     return build_stage(cfg, plan, sd, dtype=dtype)
 
 
-def ring_eval(model_dir: str | Path, ids: list[int], T: int, nodes: int, prompts: list[list[int]] = (),
-              stops: list[set[int]] = (), max_new: int = 48) -> tuple[float, list[list[int]]]:
+def ring_eval(
+    model_dir: str | Path,
+    ids: list[int],
+    T: int,
+    nodes: int,
+    prompts: list[list[int]] = (),
+    stops: list[set[int]] = (),
+    max_new: int = 48,
+) -> tuple[float, list[list[int]]]:
     """Held-out perplexity (same windows as `nll_windows`) and greedy completions through a local ring of
     `nodes` `p2pk3 node` daemons (p2pk3.node.local.LocalRing): the served path, not this process's model."""
     import asyncio
@@ -104,12 +114,13 @@ def ring_eval(model_dir: str | Path, ids: list[int], T: int, nodes: int, prompts
 
     n_win = (len(ids) - 1) // T
     with LocalRing(model_dir, nodes) as ring:
+
         async def go():
             c = await ring.client()
             tot, cnt, outs = 0.0, 0, []
             try:
                 for w in range(n_win):
-                    win = ids[w * T: w * T + T + 1]
+                    win = ids[w * T : w * T + T + 1]
                     r = await c.generate(win[:-1], SamplingParams(max_tokens=0), logits=True)
                     lg = torch.from_numpy(r.logits)[:T]
                     tot += float(F.cross_entropy(lg.float(), torch.tensor(win[1:]), reduction="sum"))
@@ -120,6 +131,7 @@ def ring_eval(model_dir: str | Path, ids: list[int], T: int, nodes: int, prompts
             finally:
                 c.close()
             return math.exp(tot / cnt), outs
+
         return asyncio.run(go())
 
 
@@ -127,7 +139,9 @@ EVAL_FILE = "heldout_eval.json"
 EVAL_WINDOWS = 4  # the shipped-model test scores EVAL_WINDOWS windows of `seq` tokens of held-out text
 
 
-def write_eval_slice(out_dir: str | Path, tok, held_text: str, uni_counts: torch.Tensor, stage: K3Stage, T: int) -> dict:
+def write_eval_slice(
+    out_dir: str | Path, tok, held_text: str, uni_counts: torch.Tensor, stage: K3Stage, T: int
+) -> dict:
     """A fixed held-out slice for tests/test_shipped_model.py, stored with the model (independent of the
     Python version's pydoc text): the text, how to tokenize it, the perplexity of the export on it and of the
     add-one unigram of the train split."""
@@ -143,8 +157,15 @@ def write_eval_slice(out_dir: str | Path, tok, held_text: str, uni_counts: torch
     logp = (uni_counts / uni_counts.sum()).log()
     uni = math.exp(-float(logp[torch.tensor(ids[1:])].mean()))
     ppl = perplexity(stage, ids, T)
-    rec = {"text": cut, "prepend_bos": True, "num_tokens": n_tok, "window": T, "windows": EVAL_WINDOWS,
-           "ppl_mxfp4": ppl, "unigram_ppl": uni,
-           "note": "held-out topics (never trained on); ppl over non-overlapping windows, fresh context per window"}
+    rec = {
+        "text": cut,
+        "prepend_bos": True,
+        "num_tokens": n_tok,
+        "window": T,
+        "windows": EVAL_WINDOWS,
+        "ppl_mxfp4": ppl,
+        "unigram_ppl": uni,
+        "note": "held-out topics (never trained on); ppl over non-overlapping windows, fresh context per window",
+    }
     (Path(out_dir) / EVAL_FILE).write_text(json.dumps(rec, indent=1, ensure_ascii=False) + "\n")
     return rec

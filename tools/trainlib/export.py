@@ -1,4 +1,5 @@
 """The checkpoint directory of a trained model: weights in the K3 layout, tokenizer, generation config."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,9 @@ import torch
 from p2pk3.model.config import K3Config
 
 
-def export(out_dir: str | Path, cfg: K3Config, sd: dict[str, torch.Tensor], tok_dir: Path, metrics: dict,
-           held_ids: list[int]) -> None:
+def export(
+    out_dir: str | Path, cfg: K3Config, sd: dict[str, torch.Tensor], tok_dir: Path, metrics: dict, held_ids: list[int]
+) -> None:
     from p2pk3.checkpoint.tiny import write_checkpoint
 
     out = Path(out_dir)
@@ -24,6 +26,11 @@ def export(out_dir: str | Path, cfg: K3Config, sd: dict[str, torch.Tensor], tok_
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tok_dir / f, out / f)
     tc = json.loads((tok_dir / "tokenizer_config.json").read_text())
-    gen = {"bos_token_id": tc["bos_token_id"], "eos_token_id": tc["stop_token_ids"], "pad_token_id": tc["pad_token_id"],
-           "do_sample": False, "max_new_tokens": 128}
+    gen = {
+        "bos_token_id": tc["bos_token_id"],
+        "eos_token_id": tc["stop_token_ids"],
+        "pad_token_id": tc["pad_token_id"],
+        "do_sample": False,
+        "max_new_tokens": 128,
+    }
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")

@@ -1,5 +1,6 @@
 """The small K3 of the embedded models: its config, its initialisation for training (float master experts,
 MXFP4 quantization-aware), and the trained weights under canonical checkpoint names."""
+
 from __future__ import annotations
 
 import math
@@ -12,19 +13,45 @@ from p2pk3.model.kimi_k3 import KimiDeltaAttention, LatentMoE, module_to_checkpo
 from p2pk3.model.stage import K3Stage
 
 
-def tiny_config(vocab_size: int, bos: int, eos: int, pad: int, *, hidden: int = 128, layers: int = 9,
-                kda_heads: int = 2, kda_dim: int = 32, experts: int = 16, topk: int = 2, moe_inter: int = 64) -> K3Config:
+def tiny_config(
+    vocab_size: int,
+    bos: int,
+    eos: int,
+    pad: int,
+    *,
+    hidden: int = 128,
+    layers: int = 9,
+    kda_heads: int = 2,
+    kda_dim: int = 32,
+    experts: int = 16,
+    topk: int = 2,
+    moe_inter: int = 64,
+) -> K3Config:
     """A small K3. `layers` = 9 keeps K3's pattern exactly: 1-indexed MLA layers 4, 8 and 9 (every 4th plus
     the last, so the last two are MLA, as 92 and 93 in K3); dense layer 0; MoE elsewhere."""
     return TINY_K3.replace(
-        vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
-        bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=pad,
         full_attn_layers=_k3_full_attn(layers),
-        kda_num_heads=kda_heads, kda_head_dim=kda_dim,
-        num_attention_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+        kda_num_heads=kda_heads,
+        kda_head_dim=kda_dim,
+        num_attention_heads=4,
+        q_lora_rank=64,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
         v_head_dim=32,
-        intermediate_size=4 * hidden, num_experts=experts, num_experts_per_token=topk, num_shared_experts=1,
-        moe_intermediate_size=moe_inter, routed_expert_hidden_size=hidden // 2, attn_res_block_size=3,
+        intermediate_size=4 * hidden,
+        num_experts=experts,
+        num_experts_per_token=topk,
+        num_shared_experts=1,
+        moe_intermediate_size=moe_inter,
+        routed_expert_hidden_size=hidden // 2,
+        attn_res_block_size=3,
     )
 
 
@@ -67,11 +94,13 @@ def init_stage(stage: K3Stage, seed: int) -> None:
     for m in stage.modules():
         if isinstance(m, LatentMoE):
             E, W, I = len(m.held), cfg.expert_width, cfg.moe_intermediate_size
-            m.enable_master_experts({
-                "w1": torch.randn((E, I, W), generator=g) * 0.02,
-                "w3": torch.randn((E, I, W), generator=g) * 0.02,
-                "w2": torch.randn((E, W, I), generator=g) * 0.02 / math.sqrt(2 * L),
-            })
+            m.enable_master_experts(
+                {
+                    "w1": torch.randn((E, I, W), generator=g) * 0.02,
+                    "w3": torch.randn((E, I, W), generator=g) * 0.02,
+                    "w2": torch.randn((E, W, I), generator=g) * 0.02 / math.sqrt(2 * L),
+                }
+            )
             for b in ("w1_packed", "w1_scale", "w2_packed", "w2_scale", "w3_packed", "w3_scale"):
                 delattr(m, b)  # the packed buffers are unused in training; keep them out of state_dict()
 

@@ -5,6 +5,7 @@ perplexity reads them), a few more are VALIDATION, the rest TRAIN; topics nest, 
 (validation) topics are removed from the validation and train (train) texts (`split_topics`; `overlap` measures
 what is left). Chat Q/A pairs come from the train topics' section headings (`chat_documents`).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -65,9 +66,11 @@ def split_topics(topics: dict[str, str] | None = None) -> dict[str, dict[str, st
 
 def overlap(held: dict[str, str], train: dict[str, str], n: int = 8) -> float:
     """Fraction of the held-out word n-grams that also occur in the train text (a leak check)."""
+
     def grams(t: str) -> set[tuple[str, ...]]:
         w = t.split()
-        return {tuple(w[i:i + n]) for i in range(len(w) - n + 1)}
+        return {tuple(w[i : i + n]) for i in range(len(w) - n + 1)}
+
     h = grams("\n".join(held.values()))
     tr = grams("\n".join(train.values()))
     return len(h & tr) / max(1, len(h))
@@ -101,7 +104,7 @@ def chat_pairs(topics: dict[str, str]) -> list[tuple[str, str]]:
         heads = [m for m in _HEAD.finditer(text) if len(m.group(2)) == len(m.group(1))]
         for j, m in enumerate(heads):
             end = heads[j + 1].start() if j + 1 < len(heads) else len(text)
-            ans = _first_sentences(text[m.end():end])
+            ans = _first_sentences(text[m.end() : end])
             if ans:
                 pairs.append((m.group(1).strip(), ans))
     return pairs

@@ -1,4 +1,5 @@
 """The log line of a training run: printed and appended to the run's train.log."""
+
 from __future__ import annotations
 
 

@@ -1,4 +1,5 @@
 """The model card (README.md) of tiny-k3-pydoc, from the run's metrics."""
+
 from __future__ import annotations
 
 import json
@@ -12,17 +13,18 @@ def write_model_card(out_dir: str | Path, cfg: K3Config, metrics: dict) -> None:
 
     c = cfg
     size = metrics.get("export_bytes", 0) / 1e6
-    samples_md = "\n".join(f"prompt {json.dumps(p, ensure_ascii=False)}\n```text\n{o[:400]}\n```\n"
-                           for p, o in metrics.get("samples", []))
+    samples_md = "\n".join(
+        f"prompt {json.dumps(p, ensure_ascii=False)}\n```text\n{o[:400]}\n```\n" for p, o in metrics.get("samples", [])
+    )
     card = f"""# tiny-k3-pydoc
 
-A {metrics.get('params_m', 0):.1f}M-parameter model with **exactly the Kimi K3 architecture** (text tower),
-trained from scratch on CPU in {metrics['train_minutes']:.0f} minutes on the Python language reference that
+A {metrics.get("params_m", 0):.1f}M-parameter model with **exactly the Kimi K3 architecture** (text tower),
+trained from scratch on CPU in {metrics["train_minutes"]:.0f} minutes on the Python language reference that
 ships with CPython (`pydoc_data.topics`). It is the embedded default model of p2pk3: small enough to ship in
 the wheel ({size:.1f} MB), real enough to exercise every code path of the engine (KDA, gated MLA, AttnRes,
 Stable LatentMoE with MXFP4 experts) and to produce readable, on-topic (if often wrong) text.
 
-It is a toy: it has seen ~{metrics['tokens_seen'] / 1e3:.0f}K tokens. Do not expect facts.
+It is a toy: it has seen ~{metrics["tokens_seen"] / 1e3:.0f}K tokens. Do not expect facts.
 
 ## Architecture (K3 layout, shrunk)
 
@@ -49,26 +51,26 @@ correction bias, routed experts as `weight_packed` / `weight_scale` uint8.
 ## Training
 
 `python -m tools.train_tiny --minutes 20 --run runs/tiny-k3-pydoc --export p2pk3/assets/tiny-k3-pydoc`
-(seed 0, {metrics['steps']} AdamW steps of {metrics['batch']} x {metrics['seq']} tokens, warmup + cosine,
-1 CPU thread, Python {metrics.get('python')}, torch {metrics.get('torch')}). Data: the {metrics.get('n_train_topics', '')} train topics
-of `pydoc_data.topics` as `[BOS] text [EOS]` documents plus {metrics.get('n_chats', '')} synthetic chat Q/A pairs built from
+(seed 0, {metrics["steps"]} AdamW steps of {metrics["batch"]} x {metrics["seq"]} tokens, warmup + cosine,
+1 CPU thread, Python {metrics.get("python")}, torch {metrics.get("torch")}). Data: the {metrics.get("n_train_topics", "")} train topics
+of `pydoc_data.topics` as `[BOS] text [EOS]` documents plus {metrics.get("n_chats", "")} synthetic chat Q/A pairs built from
 their section headings (answer = the section's first sentences). Topics are split by a hash of their
-name; the held-out topics ({', '.join(metrics['heldout_topics'])}) are used only for the numbers below.
+name; the held-out topics ({", ".join(metrics["heldout_topics"])}) are used only for the numbers below.
 Routed experts are trained quantization-aware (MXFP4 fake quantization, straight-through gradient); the
 router correction bias is set by a simple quantile-balancing rule (no aux loss).
 
-## Quality (held-out topics, {metrics['heldout_tokens_scored']} tokens, windows of {metrics['seq']})
+## Quality (held-out topics, {metrics["heldout_tokens_scored"]} tokens, windows of {metrics["seq"]})
 
 | | perplexity |
 |---|---|
-| add-one unigram (train split) | {metrics['unigram_ppl']:.1f} |
-| fp32 master weights (QAT forward) | {metrics['master_ppl']:.1f} |
-| fp32 master weights, float (unquantized) experts | {metrics.get('master_float_experts_ppl', float('nan')):.1f} |
-| this checkpoint (bf16 + MXFP4 experts, real loader), fp32 compute | {metrics.get('mxfp4_ppl', float('nan')):.1f} |
-| this checkpoint, bf16 compute | {metrics.get('mxfp4_bf16_ppl', float('nan')):.1f} |
-| this checkpoint through a {metrics.get('ring', {}).get('nodes', 4)}-node local ring (`p2pk3 node` daemons) | {metrics.get('ring', {}).get('ppl', float('nan')):.1f} |
+| add-one unigram (train split) | {metrics["unigram_ppl"]:.1f} |
+| fp32 master weights (QAT forward) | {metrics["master_ppl"]:.1f} |
+| fp32 master weights, float (unquantized) experts | {metrics.get("master_float_experts_ppl", float("nan")):.1f} |
+| this checkpoint (bf16 + MXFP4 experts, real loader), fp32 compute | {metrics.get("mxfp4_ppl", float("nan")):.1f} |
+| this checkpoint, bf16 compute | {metrics.get("mxfp4_bf16_ppl", float("nan")):.1f} |
+| this checkpoint through a {metrics.get("ring", {}).get("nodes", 4)}-node local ring (`p2pk3 node` daemons) | {metrics.get("ring", {}).get("ppl", float("nan")):.1f} |
 
-Non-overlapping windows of {metrics['seq']} tokens, fresh context per window. Details: docs/quality.md.
+Non-overlapping windows of {metrics["seq"]} tokens, fresh context per window. Details: docs/quality.md.
 
 Greedy samples (this checkpoint):
 

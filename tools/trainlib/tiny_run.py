@@ -1,6 +1,7 @@
 """The tiny-k3-pydoc run (tools/train_tiny.py has the whole story): `train` (tokenizer, model, QAT training
 loop with router balancing, plot, metrics, master.pt) and `finish` (export, reload, evaluate, sample).
 """
+
 from __future__ import annotations
 
 import json
@@ -16,7 +17,16 @@ from p2pk3.model.config import K3Config
 from p2pk3.model.stage import K3Stage, StagePlan, build_stage
 
 from .balance import RouterTap, imbalance, qb_update, sign_update
-from .evaluate import forward_batch, greedy, load_shipped, nll_windows, perplexity, ring_eval, unigram_ppl, write_eval_slice
+from .evaluate import (
+    forward_batch,
+    greedy,
+    load_shipped,
+    nll_windows,
+    perplexity,
+    ring_eval,
+    unigram_ppl,
+    write_eval_slice,
+)
 from .export import export
 from .model import canonical_state_dict, init_stage, moe_layers, tiny_config
 from .pydoc_topics import chat_documents, encode_documents, split_topics
@@ -25,9 +35,9 @@ from .tiny_card import write_model_card
 
 SAMPLE_PROMPTS = [
     ("text", 'The "while" statement\n*********************\n\n'),
-    ("text", "The \"for\" statement is used to"),
+    ("text", 'The "for" statement is used to'),
     ("text", "Strings are"),
-    ("chat", "Tell me about the \"if\" statement."),
+    ("chat", 'Tell me about the "if" statement.'),
     ("chat", "What does the Python reference say about Dictionaries?"),
 ]
 
@@ -40,7 +50,13 @@ def sample_prompts(tok) -> list[tuple[str, list[int], set[int]]]:
     out = []
     for kind, p in SAMPLE_PROMPTS:
         if kind == "chat":
-            out.append((f"[{kind}] {p}", tok.apply_chat_template([{"role": "user", "content": p}]), {tok.im_end_id, tok.eos_id}))
+            out.append(
+                (
+                    f"[{kind}] {p}",
+                    tok.apply_chat_template([{"role": "user", "content": p}]),
+                    {tok.im_end_id, tok.eos_id},
+                )
+            )
         else:
             out.append((f"[{kind}] {p}", [tok.bos_id] + tok.encode(p), {tok.eos_id}))
     return out
@@ -64,11 +80,28 @@ def train(a) -> int:
     train_ids = encode_documents(tok, sp["train"], chats)
     val_ids = encode_documents(tok, sp["val"])
     held_ids = encode_documents(tok, sp["heldout"])
-    log(f"topics: train {len(sp['train'])} val {len(sp['val'])} heldout {len(sp['heldout'])} {sorted(sp['heldout'])}", fh)
-    log(f"tokens: train {len(train_ids)} (incl. {len(chats)} chats) val {len(val_ids)} heldout {len(held_ids)}; vocab {tok.vocab_size}", fh)
+    log(
+        f"topics: train {len(sp['train'])} val {len(sp['val'])} heldout {len(sp['heldout'])} {sorted(sp['heldout'])}",
+        fh,
+    )
+    log(
+        f"tokens: train {len(train_ids)} (incl. {len(chats)} chats) val {len(val_ids)} heldout {len(held_ids)}; vocab {tok.vocab_size}",
+        fh,
+    )
 
-    cfg = tiny_config(tok.vocab_size, tok.bos_id, tok.im_end_id, tok.pad_id, hidden=a.hidden, layers=a.layers,
-                      kda_heads=a.kda_heads, kda_dim=a.kda_dim, experts=a.experts, topk=a.topk, moe_inter=a.moe_inter)
+    cfg = tiny_config(
+        tok.vocab_size,
+        tok.bos_id,
+        tok.im_end_id,
+        tok.pad_id,
+        hidden=a.hidden,
+        layers=a.layers,
+        kda_heads=a.kda_heads,
+        kda_dim=a.kda_dim,
+        experts=a.experts,
+        topk=a.topk,
+        moe_inter=a.moe_inter,
+    )
     stage = K3Stage(cfg, StagePlan.whole(cfg))
     init_stage(stage, a.seed)
     stage.train()
@@ -79,8 +112,12 @@ def train(a) -> int:
 
     decay = [p for n, p in stage.named_parameters() if p.requires_grad and p.dim() >= 2 and "embed" not in n]
     no_decay = [p for n, p in stage.named_parameters() if p.requires_grad and not (p.dim() >= 2 and "embed" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": a.wd}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": a.wd}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=a.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     tap = RouterTap(stage)
     moes = moe_layers(stage)
     k, n_exp_l = cfg.num_experts_per_token, cfg.num_experts
@@ -93,10 +130,14 @@ def train(a) -> int:
 
     def get_batch() -> torch.Tensor:
         starts = torch.randint(0, len(train_ids) - T - 1, (B,), generator=gen)
-        return torch.stack([data[s:s + T + 1] for s in starts.tolist()])
+        return torch.stack([data[s : s + T + 1] for s in starts.tolist()])
 
     def train_step(step: int, total: int) -> tuple[float, float]:
-        lr = a.lr * min(1.0, (step + 1) / a.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / max(1, total)))))
+        lr = (
+            a.lr
+            * min(1.0, (step + 1) / a.warmup)
+            * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / max(1, total)))))
+        )
         for gr in opt.param_groups:
             gr["lr"] = lr
         xb = get_batch()
@@ -132,7 +173,7 @@ def train(a) -> int:
     budget = a.minutes * 60
     hist: dict[str, list] = {"step": [], "loss": [], "imb": [], "time": [], "val_step": [], "val_loss": []}
     t_start = time.time()
-    total = a.steps or 10 ** 9
+    total = a.steps or 10**9
     step = 0
     best = (float("inf"), -1)
     best_sd = None
@@ -178,11 +219,24 @@ def train(a) -> int:
     sd = canonical_state_dict(stage)
     torch.save({"config": cfg.to_hf_dict(), "state_dict": sd, "hist": hist, "args": vars(a)}, run / "master.pt")
 
-    metrics = {"steps": step, "train_minutes": train_time / 60, "best_step": best[1], "unigram_ppl": uni,
-               "master_ppl": ppl_master, "final_train_loss": sum(hist["loss"][-20:]) / len(hist["loss"][-20:]),
-               "val_loss": best[0], "tokens_seen": step * B * T, "heldout_tokens_scored": ((len(held_ids) - 1) // T) * T,
-               "heldout_topics": sorted(sp["heldout"]), "final_imbalance": sum(hist["imb"][-20:]) / len(hist["imb"][-20:]),
-               "seq": T, "batch": B, "args": vars(a), "python": sys.version.split()[0], "torch": torch.__version__}
+    metrics = {
+        "steps": step,
+        "train_minutes": train_time / 60,
+        "best_step": best[1],
+        "unigram_ppl": uni,
+        "master_ppl": ppl_master,
+        "final_train_loss": sum(hist["loss"][-20:]) / len(hist["loss"][-20:]),
+        "val_loss": best[0],
+        "tokens_seen": step * B * T,
+        "heldout_tokens_scored": ((len(held_ids) - 1) // T) * T,
+        "heldout_topics": sorted(sp["heldout"]),
+        "final_imbalance": sum(hist["imb"][-20:]) / len(hist["imb"][-20:]),
+        "seq": T,
+        "batch": B,
+        "args": vars(a),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+    }
 
     # ---- plot
     try:
@@ -193,7 +247,10 @@ def train(a) -> int:
 
         fig, ax = plt.subplots(1, 2, figsize=(11, 4))
         w = 10
-        sm = [sum(hist["loss"][max(0, i - w + 1):i + 1]) / len(hist["loss"][max(0, i - w + 1):i + 1]) for i in range(len(hist["loss"]))]
+        sm = [
+            sum(hist["loss"][max(0, i - w + 1) : i + 1]) / len(hist["loss"][max(0, i - w + 1) : i + 1])
+            for i in range(len(hist["loss"]))
+        ]
         ax[0].plot(hist["step"], hist["loss"], alpha=0.3, label="train (per step)")
         ax[0].plot(hist["step"], sm, label=f"train ({w}-step mean)")
         ax[0].plot(hist["val_step"], hist["val_loss"], "o-", label="validation")
@@ -244,7 +301,10 @@ def finish(run: str | Path, export_dir: str | Path, ring: int = 0) -> dict:
     log(f"held-out perplexity: master with float experts {ppl_float:.2f}; export in bf16 compute {ppl_bf16:.2f}", fh)
     metrics["mxfp4_ppl"] = ppl_mx
     metrics["mxfp4_vs_master"] = ppl_mx / metrics["master_ppl"]
-    log(f"held-out perplexity: exported MXFP4 via loader {ppl_mx:.2f} ({100 * (ppl_mx / metrics['master_ppl'] - 1):+.2f}% vs master)", fh)
+    log(
+        f"held-out perplexity: exported MXFP4 via loader {ppl_mx:.2f} ({100 * (ppl_mx / metrics['master_ppl'] - 1):+.2f}% vs master)",
+        fh,
+    )
     train_ids = encode_documents(tok, sp["train"], chat_documents(sp["train"]))
     counts = torch.bincount(torch.tensor(train_ids), minlength=tok.vocab_size).double() + 1
     ev = write_eval_slice(export_dir, tok, "\n\n".join(sp["heldout"].values()), counts, shipped, T)
@@ -258,12 +318,25 @@ def finish(run: str | Path, export_dir: str | Path, ring: int = 0) -> dict:
     for p, c in sm_out:
         log(f"--- {p!r}\n{c!r}", fh)
     if ring:
-        ring_ppl, ring_out = ring_eval(export_dir, held_ids, T, ring, [p for _, p, _ in sample_prompts(tok)],
-                                       [s for _, _, s in sample_prompts(tok)])
-        metrics["ring"] = {"nodes": ring, "ppl": ring_ppl, "samples": [tok.decode(o) for o in ring_out],
-                           "samples_match_in_process": [tok.decode(o) for o in ring_out] == [o for _, o in sm_out]}
-        log(f"held-out perplexity through a {ring}-node ring: {ring_ppl:.2f}; greedy samples identical to "
-            f"in-process: {metrics['ring']['samples_match_in_process']}", fh)
+        ring_ppl, ring_out = ring_eval(
+            export_dir,
+            held_ids,
+            T,
+            ring,
+            [p for _, p, _ in sample_prompts(tok)],
+            [s for _, _, s in sample_prompts(tok)],
+        )
+        metrics["ring"] = {
+            "nodes": ring,
+            "ppl": ring_ppl,
+            "samples": [tok.decode(o) for o in ring_out],
+            "samples_match_in_process": [tok.decode(o) for o in ring_out] == [o for _, o in sm_out],
+        }
+        log(
+            f"held-out perplexity through a {ring}-node ring: {ring_ppl:.2f}; greedy samples identical to "
+            f"in-process: {metrics['ring']['samples_match_in_process']}",
+            fh,
+        )
     size = sum(f.stat().st_size for f in Path(export_dir).rglob("*") if f.is_file())
     metrics["export_bytes"] = size
     log(f"export: {export_dir} {size / 1e6:.2f} MB", fh)

@@ -1,5 +1,6 @@
 """Client frames (any authenticated peer <-> the entry): `generate` -> `token`* -> `done` | `error`;
 `cancel` (stop a running request); `status` (request and reply); `error` (any side, any time)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -26,8 +27,14 @@ class GenerateRequest:
     incremental: bool = False
 
     def frame(self) -> Frame:
-        return Frame.make("generate", request_id=self.request_id, prompt=[int(t) for t in self.prompt],
-                          params=self.params.to_wire(), logits=self.logits, incremental=self.incremental)
+        return Frame.make(
+            "generate",
+            request_id=self.request_id,
+            prompt=[int(t) for t in self.prompt],
+            params=self.params.to_wire(),
+            logits=self.logits,
+            incremental=self.incremental,
+        )
 
     @classmethod
     def parse(cls, frame: Frame, vocab_size: int) -> "GenerateRequest":
@@ -37,9 +44,15 @@ class GenerateRequest:
         if not is_int(rid):
             raise ProtocolError("generate frame: request_id must be an integer")
         prompt = h.get("prompt")
-        if (not isinstance(prompt, list) or not prompt or len(prompt) > MAX_PROMPT
-                or not all(is_int(t) and 0 <= t < vocab_size for t in prompt)):
-            raise ValueError(f"prompt must be a non-empty list of at most {MAX_PROMPT} token ids in 0..{vocab_size - 1}")
+        if (
+            not isinstance(prompt, list)
+            or not prompt
+            or len(prompt) > MAX_PROMPT
+            or not all(is_int(t) and 0 <= t < vocab_size for t in prompt)
+        ):
+            raise ValueError(
+                f"prompt must be a non-empty list of at most {MAX_PROMPT} token ids in 0..{vocab_size - 1}"
+            )
         params = finite(SamplingParams.from_wire(h.get("params") or {}))
         flags = {k: h.get(k, False) for k in ("logits", "incremental")}
         for k, v in flags.items():
@@ -71,11 +84,19 @@ class Done:
     stage_stats: dict
 
 
-def done_frame(request_id: int, session: str, tokens: list[int], stats: dict, stage_stats: dict,
-               logits: Any = None) -> Frame:
+def done_frame(
+    request_id: int, session: str, tokens: list[int], stats: dict, stage_stats: dict, logits: Any = None
+) -> Frame:
     tensors = [("logits", logits)] if logits is not None else None
-    return Frame.make("done", tensors, request_id=request_id, session=session, tokens=[int(t) for t in tokens],
-                      stats=stats, stage_stats=stage_stats)
+    return Frame.make(
+        "done",
+        tensors,
+        request_id=request_id,
+        session=session,
+        tokens=[int(t) for t in tokens],
+        stats=stats,
+        stage_stats=stage_stats,
+    )
 
 
 def parse_done(frame: Frame) -> Done:

@@ -1,5 +1,6 @@
 """Control frames between daemons: slot claims (`claim` / `claim_result`; node/claims.py runs the
 protocol) and failure handling (`takeover`, `route`, `retain`; node/failover.py decides when)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,8 +41,14 @@ class ClaimMessage:
     replaces: tuple[str, int] | None = None
 
 
-def claim_frame(slot: str, node: str, epoch: int, op: str = "request", since: float | None = None,
-                replaces: tuple[str, int] | None = None) -> Frame:
+def claim_frame(
+    slot: str,
+    node: str,
+    epoch: int,
+    op: str = "request",
+    since: float | None = None,
+    replaces: tuple[str, int] | None = None,
+) -> Frame:
     if op not in CLAIM_OPS:
         raise ValueError(f"claim op must be one of {CLAIM_OPS}, not {op!r}")
     return Frame.make("claim", slot=slot, node=node, epoch=int(epoch), op=op, since=since, **_replaces_wire(replaces))
@@ -52,9 +59,14 @@ def parse_claim(frame: Frame) -> ClaimMessage:
     op = h.get("op", "request")
     if op not in CLAIM_OPS:
         raise ProtocolError(f"claim frame: op must be one of {CLAIM_OPS}, got {brief(op)}")
-    return ClaimMessage(name(h.get("slot"), "claim frame: slot"), name(h.get("node"), "claim frame: node"),
-                        count(h.get("epoch"), "claim frame: epoch"), op, unix_time(h.get("since"), "claim frame: since"),
-                        _parse_replaces(h, "claim frame"))
+    return ClaimMessage(
+        name(h.get("slot"), "claim frame: slot"),
+        name(h.get("node"), "claim frame: node"),
+        count(h.get("epoch"), "claim frame: epoch"),
+        op,
+        unix_time(h.get("since"), "claim frame: since"),
+        _parse_replaces(h, "claim frame"),
+    )
 
 
 @dataclass(frozen=True)
@@ -84,8 +96,9 @@ class ClaimResult:
 def claim_result_frame(r: ClaimResult) -> Frame:
     h = r.holder
     holder = {"node": h.node, "epoch": h.epoch, "since": h.since, "live": h.live} if h is not None else None
-    return Frame.make("claim_result", slot=r.slot, granted=r.granted, code=r.code, reason=r.reason, holder=holder,
-                      epoch=r.epoch)
+    return Frame.make(
+        "claim_result", slot=r.slot, granted=r.granted, code=r.code, reason=r.reason, holder=holder, epoch=r.epoch
+    )
 
 
 def parse_claim_result(frame: Frame) -> ClaimResult:
@@ -102,10 +115,15 @@ def parse_claim_result(frame: Frame) -> ClaimResult:
     if hd is not None:
         if not isinstance(hd, dict) or not isinstance(hd.get("live", False), bool):
             raise ProtocolError(f"{w}: holder must be {{node, epoch, since, live}} or nil, got {brief(hd)}")
-        holder = ClaimHolder(name(hd.get("node"), f"{w}: holder.node"), count(hd.get("epoch"), f"{w}: holder.epoch"),
-                             unix_time(hd.get("since"), f"{w}: holder.since"), hd.get("live", False))
-    return ClaimResult(name(h.get("slot"), f"{w}: slot"), granted, code, reason, holder,
-                       count(h.get("epoch", 0), f"{w}: epoch"))
+        holder = ClaimHolder(
+            name(hd.get("node"), f"{w}: holder.node"),
+            count(hd.get("epoch"), f"{w}: holder.epoch"),
+            unix_time(hd.get("since"), f"{w}: holder.since"),
+            hd.get("live", False),
+        )
+    return ClaimResult(
+        name(h.get("slot"), f"{w}: slot"), granted, code, reason, holder, count(h.get("epoch", 0), f"{w}: epoch")
+    )
 
 
 # ------------------------------------------------------------------------------ failure handling
@@ -147,8 +165,13 @@ def parse_route(frame: Frame) -> Route:
     host = h.get("host")
     if not isinstance(host, str) or not 0 < len(host) <= MAX_NAME:
         raise ProtocolError(f"route frame: host must be a non-empty string of at most {MAX_NAME} characters")
-    return Route(name(h.get("slot"), "route frame: slot"), name(h.get("node"), "route frame: node"), host, port,
-                 count(h.get("epoch"), "route frame: epoch"))
+    return Route(
+        name(h.get("slot"), "route frame: slot"),
+        name(h.get("node"), "route frame: node"),
+        host,
+        port,
+        count(h.get("epoch"), "route frame: epoch"),
+    )
 
 
 def retain_frame(sessions: Iterable[tuple[str, int]]) -> Frame:

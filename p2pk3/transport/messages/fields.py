@@ -1,5 +1,6 @@
 """Header fields every frame kind validates the same way: ints, ids, names, times, the kind itself.
 Parsers raise ProtocolError naming the frame and the field (`where`)."""
+
 from __future__ import annotations
 
 import math

@@ -1,5 +1,6 @@
 """File sharing between nodes (deploy/peers.py serves and fetches): `file_list` -> `file_index`,
 `file_get` -> `file_chunk` (+ tensor `data`); a refused request is answered with `error` (bad_request)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,8 +16,9 @@ MAX_PATH = 4096
 def parse_request_id(h: Mapping[str, Any], where: str) -> int | str | None:
     rid = h.get("request_id")
     if not (rid is None or (isinstance(rid, str) and len(rid) <= 64) or (is_int(rid) and 0 <= rid < 1 << 63)):
-        raise ProtocolError(f"{where}: request_id must be a string of at most 64 characters or an integer, "
-                            f"got {brief(rid)}")
+        raise ProtocolError(
+            f"{where}: request_id must be a string of at most 64 characters or an integer, got {brief(rid)}"
+        )
     return rid
 
 
@@ -116,8 +118,14 @@ class FileChunk:
 
 
 def file_chunk_frame(c: FileChunk) -> Frame:
-    return Frame.make("file_chunk", {"data": ("uint8", (len(c.data),), c.data)}, request_id=c.request_id,
-                      path=c.path, offset=c.offset, size=c.size)
+    return Frame.make(
+        "file_chunk",
+        {"data": ("uint8", (len(c.data),), c.data)},
+        request_id=c.request_id,
+        path=c.path,
+        offset=c.offset,
+        size=c.size,
+    )
 
 
 def parse_file_chunk(frame: Frame) -> FileChunk:
@@ -131,5 +139,10 @@ def parse_file_chunk(frame: Frame) -> FileChunk:
     path = h.get("path")
     if not isinstance(path, str):
         raise ProtocolError(f"{w}: path must be a string")
-    return FileChunk(parse_request_id(h, w), path, count(h.get("offset"), f"{w}: offset"),
-                     count(h.get("size"), f"{w}: size"), frame.buffer("data"))
+    return FileChunk(
+        parse_request_id(h, w),
+        path,
+        count(h.get("offset"), f"{w}: offset"),
+        count(h.get("size"), f"{w}: size"),
+        frame.buffer("data"),
+    )

@@ -1,6 +1,7 @@
 """Ring frames, between daemons: `forward` (a stage-boundary hop), `result` (sampled tokens / logits /
 per-session errors on their way to the entry), `free` (end sessions on every stage), `ping` / `pong`
 (the failure detector)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,8 +35,12 @@ class Segment:
     draft: tuple[int, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"session": self.session, "epoch": self.epoch, "start_pos": self.start_pos,
-                             "n_tokens": self.n_tokens}
+        d: dict[str, Any] = {
+            "session": self.session,
+            "epoch": self.epoch,
+            "start_pos": self.start_pos,
+            "n_tokens": self.n_tokens,
+        }
         if self.sample is not None:
             d["sample"] = self.sample.to_wire()
         if self.want_logits:
@@ -63,8 +68,10 @@ class Segment:
         if not isinstance(draft, list) or len(draft) > MAX_DRAFT or not all(is_int(t) and t >= 0 for t in draft):
             raise ProtocolError(f"{where}: draft must be a list of at most {MAX_DRAFT} non-negative token ids")
         if draft and (d["n_tokens"] != len(draft) + 1 or sample is None or want):
-            raise ProtocolError(f"{where}: a draft of {len(draft)} tokens needs n_tokens = {len(draft) + 1} "
-                                f"(got {d['n_tokens']}), sampling parameters and no logits")
+            raise ProtocolError(
+                f"{where}: a draft of {len(draft)} tokens needs n_tokens = {len(draft) + 1} "
+                f"(got {d['n_tokens']}), sampling parameters and no logits"
+            )
         return cls(d["session"], d["epoch"], d["start_pos"], d["n_tokens"], sample, want, tuple(draft))
 
 
@@ -87,8 +94,15 @@ def _shape_of(t: Any) -> tuple[int, ...]:
 
 
 # ------------------------------------------------------------------------------------------- forward
-def forward_frame(segments: Iterable[Segment], prefix: Any, bank: Any = None, partial_latent: Any = None, *,
-                  layer: int, mid_moe: bool = False) -> Frame:
+def forward_frame(
+    segments: Iterable[Segment],
+    prefix: Any,
+    bank: Any = None,
+    partial_latent: Any = None,
+    *,
+    layer: int,
+    mid_moe: bool = False,
+) -> Frame:
     """A stage-boundary hop: `prefix` [N, D], `bank` [R, N, D] (AttnRes snapshots; None when R = 0),
     `partial_latent` [N, W] (only when `mid_moe`: the hop is inside layer `layer`'s MoE, split over slots).
     `layer`: the first layer the receiver runs (or continues, when mid_moe). Tensors are numpy arrays
@@ -145,7 +159,9 @@ def parse_forward(frame: Frame) -> Forward:
     if frame.has("bank"):
         b = frame.desc("bank")
         if len(b["shape"]) != 3 or b["shape"][1:] != p["shape"] or b["dtype"] != p["dtype"]:
-            raise ProtocolError(f"forward frame: bank {b['dtype']}{b['shape']} does not match prefix {p['dtype']}{p['shape']}")
+            raise ProtocolError(
+                f"forward frame: bank {b['dtype']}{b['shape']} does not match prefix {p['dtype']}{p['shape']}"
+            )
         rows = b["shape"][0]
     if mid != frame.has("partial_latent"):
         raise ProtocolError("forward frame: partial_latent must be present exactly when mid_moe is set")
@@ -285,7 +301,7 @@ def ping_frame(ping_id: int, t_ns: int) -> Frame:
 def _echo(v: Any) -> Any:
     """A ping field echoed in the pong: only plain numbers and short strings (a ping may carry up to a
     header's worth of anything; its pong must not grow past the header limit or echo structures)."""
-    if v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and -2**63 <= v < 2**64):
+    if v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and -(2**63) <= v < 2**64):
         return v
     if isinstance(v, (str, bytes)) and len(v) <= 256:
         return v
