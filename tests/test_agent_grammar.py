@@ -149,6 +149,7 @@ def generate(m: GrammarMatcher, gen: torch.Generator, boost: list[int], max_toke
         assert len(m.tokens) < max_tokens, "the grammar never finished"
 
 
+@pytest.mark.slow
 def test_200_adversarial_generations_parse_and_validate(tok, gtok):
     gen = torch.Generator().manual_seed(1234)
     specials = sorted(tok.special.values())

@@ -4,6 +4,7 @@ signals and rings."""
 
 from __future__ import annotations
 
+import pytest
 import json
 import os
 import signal
@@ -389,6 +390,7 @@ def _wait_for(pred, timeout: float, what: str, proc=None):
     raise AssertionError(f"{what}: not within {timeout} s")
 
 
+@pytest.mark.slow
 def test_local_says_what_happens_and_cleans_up_after_itself(tmp_path):
     """A ring with a spare: a killed stage is said (down, taken over, recovered) on local's terminal; a
     second ring cannot take its state file; SIGTERM removes the state file and the work folder."""

@@ -215,6 +215,7 @@ def test_generate_refuses_a_corrupt_shard_of_the_embedded_model(corrupt_copy):
     assert f"p2pk3 manifest {d}" in line
 
 
+@pytest.mark.slow
 def test_local_refuses_a_corrupt_shard_of_the_embedded_model(corrupt_copy):
     d, shard = corrupt_copy
     r = subprocess_cli("local", "--model", d, "--nodes", "2", "--prompt", "What is a tuple?", "--max-tokens", "4")

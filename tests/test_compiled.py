@@ -57,6 +57,7 @@ def _check_exact(model, device: str, cuda_graphs: bool):
     assert torch.equal(out_tok, ref_tok)
 
 
+@pytest.mark.slow
 def test_compiled_decode_is_exact_on_cpu(model):
     _check_exact(model, "cpu", cuda_graphs=False)
 
@@ -66,6 +67,7 @@ def test_cuda_graph_decode_is_exact(model):
     _check_exact(model, "cuda", cuda_graphs=True)
 
 
+@pytest.mark.slow
 def test_compile_failure_falls_back_to_eager_and_says_why(model, monkeypatch, caplog):
     def broken(fn, **kw):
         def run(*a, **k):

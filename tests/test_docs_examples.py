@@ -158,6 +158,7 @@ def test_the_readme_deploy_section_has_the_deploy_docs_steps_and_commands():
     assert "cluster.key" in DEPLOY and 'secret"' not in DEPLOY  # one secret file name
 
 
+@pytest.mark.slow
 def test_deploy_doc_commands_run_on_loopback(tmp_path):
     """docs/deploy.md as written, on this host: its NODES.toml with the hosts on loopback (one card each),
     the embedded model's config for K3's, a local stand-in of the hub serving the embedded model as
