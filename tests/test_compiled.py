@@ -96,9 +96,52 @@ def test_compile_default_by_device(monkeypatch):
 
 def test_dequantized_experts_give_the_same_logits(model):
     """LatentMoE.dequantize_experts (a CPU option): the same arithmetic on the same values as the packed path."""
-    ref, ref_tok = _greedy(Pipeline.load(model, 1, compile=False, max_sessions=4, max_tokens=512), 3, 5, 4)
+    packed = Pipeline.load(model, 1, compile=False, dequant_experts=False, max_sessions=4, max_tokens=512)
+    assert not any(getattr(m, "dequantized", False) for m in packed.stages[0].modules())
+    ref, ref_tok = _greedy(packed, 3, 5, 4)
     pipe = Pipeline.load(model, 1, compile=False, dequant_experts=True, max_sessions=4, max_tokens=512)
     assert any(getattr(m, "dequantized", False) for m in pipe.stages[0].modules())
     out, out_tok = _greedy(pipe, 3, 5, 4)
     assert float((out - ref).abs().max() / ref.abs().max()) <= 1e-6
     assert torch.equal(out_tok, ref_tok)
+
+
+def test_experts_are_dequantized_by_default_only_on_the_torch_path_and_when_they_fit(model, monkeypatch):
+    """default_dequant_experts: on a CPU with the torch kernels and room for the bf16 copy (4 bytes per packed
+    byte within DEQUANT_RAM_SHARE of the available memory) yes; on CUDA, with forced Triton kernels, without
+    the room, or when P2PK3_DEQUANT_EXPERTS says otherwise, no."""
+    from p2pk3.checkpoint import stage as cs
+    from p2pk3.model.kimi_k3 import LatentMoE
+    from p2pk3_kernels import ops
+
+    monkeypatch.delenv("P2PK3_DEQUANT_EXPERTS", raising=False)
+    monkeypatch.delenv("P2PK3_KERNELS", raising=False)
+    pipe = Pipeline.load(model, 1, compile=False, dequant_experts=False, max_sessions=2, max_tokens=64)
+    moes = [m for m in pipe.stages[0].modules() if isinstance(m, LatentMoE)]
+    packed = sum(b.numel() for m in moes for n, b in m.named_buffers() if n.endswith("_packed"))
+    assert moes and packed > 0
+    room = int(4 * packed / cs.DEQUANT_RAM_SHARE)  # exactly enough available memory
+    monkeypatch.setattr(cs, "available_memory", lambda: room)
+    assert cs.default_dequant_experts(moes, "cpu")
+    assert not cs.default_dequant_experts(moes, "cuda")
+    monkeypatch.setattr(cs, "available_memory", lambda: room - 8)
+    assert not cs.default_dequant_experts(moes, "cpu")
+    monkeypatch.setattr(cs, "available_memory", lambda: None)
+    assert not cs.default_dequant_experts(moes, "cpu")
+    monkeypatch.setattr(cs, "available_memory", lambda: room)
+    ops.force("triton")
+    try:
+        assert not cs.default_dequant_experts(moes, "cpu")
+    finally:
+        ops.force(None)
+    monkeypatch.setenv("P2PK3_DEQUANT_EXPERTS", "0")
+    assert not cs.default_dequant_experts(moes, "cpu")
+    monkeypatch.setenv("P2PK3_DEQUANT_EXPERTS", "1")
+    assert cs.default_dequant_experts(moes, "cuda")
+    monkeypatch.delenv("P2PK3_DEQUANT_EXPERTS")
+    # and load_stage follows it: the default Pipeline on this host holds them dequantized
+    default = Pipeline.load(model, 1, compile=False, max_sessions=2, max_tokens=64)
+    assert all(m.dequantized for m in default.stages[0].modules() if isinstance(m, LatentMoE))
+    monkeypatch.setenv("P2PK3_DEQUANT_EXPERTS", "0")
+    off = Pipeline.load(model, 1, compile=False, max_sessions=2, max_tokens=64)
+    assert not any(m.dequantized for m in off.stages[0].modules() if isinstance(m, LatentMoE))

@@ -454,7 +454,7 @@ def test_expert_subset_loading(ckpt, whole):
     plan.experts = {2: used}
     sub = Pipeline([load_stage(ckpt, plan)], max_sessions=2, max_tokens=256, block_size=8)
     moe = sub.stages[0].model.layers["2"].block_sparse_moe
-    assert moe.w1_packed.shape[0] == len(used)
+    assert (moe.w1_weight if moe.dequantized else moe.w1_packed).shape[0] == len(used)
     assert torch.equal(sub.score(toks), whole.score(toks))
     missing = [e for e in range(TINY_K3.num_experts) if e not in used]
     plan.experts = {2: [e for e in used[1:]] + missing[:1]}
@@ -556,11 +556,16 @@ def test_mla_single_token_by_hand(whole):
     assert torch.allclose(y, want, atol=1e-5)
 
 
-def test_latent_moe_by_hand(whole):
-    """Stable LatentMoE for one token written out expert by expert from the packed checkpoint bytes."""
+@pytest.mark.parametrize("dequantized", [False, True], ids=["packed", "dequantized"])
+def test_latent_moe_by_hand(ckpt, dequantized):
+    """Stable LatentMoE for one token written out expert by expert from the packed checkpoint bytes, on the
+    packed path and with the experts held dequantized (the CPU default where they fit)."""
     from p2pk3.quant.mxfp4 import dequantize_mxfp4
 
     c = TINY_K3
+    packed = Pipeline.load(ckpt, 1, max_sessions=1, max_tokens=64, block_size=8, dequant_experts=False)
+    pmoe = packed.stages[0].model.layers["2"].block_sparse_moe
+    whole = Pipeline.load(ckpt, 1, max_sessions=1, max_tokens=64, block_size=8, dequant_experts=dequantized)
     stage = whole.stages[0]
     moe = stage.model.layers["2"].block_sparse_moe
     x = torch.randn(1, c.hidden_size)
@@ -573,9 +578,9 @@ def test_latent_moe_by_hand(whole):
         z = x[0] @ moe.routed_expert_down_proj.weight.T
         lat = torch.zeros(c.expert_width)
         for e in chosen:
-            w1 = dequantize_mxfp4(moe.w1_packed[e], moe.w1_scale[e])
-            w3 = dequantize_mxfp4(moe.w3_packed[e], moe.w3_scale[e])
-            w2 = dequantize_mxfp4(moe.w2_packed[e], moe.w2_scale[e])
+            w1 = dequantize_mxfp4(pmoe.w1_packed[e], pmoe.w1_scale[e])
+            w3 = dequantize_mxfp4(pmoe.w3_packed[e], pmoe.w3_scale[e])
+            w2 = dequantize_mxfp4(pmoe.w2_packed[e], pmoe.w2_scale[e])
             g, up = w1 @ z, w3 @ z
             h = 4 * torch.tanh(g / 4) * torch.sigmoid(g) * 25 * torch.tanh(up / 25)
             lat += (s[e] / wsum) * (w2 @ h)

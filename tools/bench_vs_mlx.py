@@ -97,7 +97,7 @@ def mlx_decode(model: str, vocab: int, batches, steps, prompt, repeats, dtype, p
 
 
 def p2pk3_decode(
-    model: str, batches, steps, prompt, repeats, dtype, compile: bool, dequant: bool = False
+    model: str, batches, steps, prompt, repeats, dtype, compile: bool, dequant: bool | None = None
 ) -> tuple[list[dict], float]:
     """Rows of tokens/s, and the seconds the first decode step of each batch size took (the compile)."""
     from p2pk3.engine.reference import Pipeline
@@ -178,9 +178,11 @@ def main(argv=None) -> None:
         cfg = K3Config.from_pretrained(d)
         peer = mlx_decode(d, cfg.vocab_size, batches, a.steps, a.prompt, a.repeats, a.dtype, a.mlx_python)
         runs = {
-            "eager": p2pk3_decode(d, batches, a.steps, a.prompt, a.repeats, a.dtype, compile=False)[0],
-            "eager, experts dequantized at load": p2pk3_decode(
-                d, batches, a.steps, a.prompt, a.repeats, a.dtype, compile=False, dequant=True
+            "eager, default (experts dequantized when they fit)": p2pk3_decode(
+                d, batches, a.steps, a.prompt, a.repeats, a.dtype, compile=False
+            )[0],
+            "eager, experts packed": p2pk3_decode(
+                d, batches, a.steps, a.prompt, a.repeats, a.dtype, compile=False, dequant=False
             )[0],
         }
         comp_first = 0.0

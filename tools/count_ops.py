@@ -138,7 +138,7 @@ def count(model: str, batch: int = 1, prompt: int = 8) -> dict:
     from p2pk3.model.cache import Span
     from p2pk3.model.kimi_k3 import Hop
 
-    pipe = Pipeline.load(model, 1, max_sessions=batch, max_tokens=batch * (prompt + 8))
+    pipe = Pipeline.load(model, 1, max_sessions=batch, max_tokens=batch * (prompt + 8), dequant_experts=False)
     stage, cache, cfg = pipe.stages[0], pipe.caches[0], pipe.cfg
     ids = [f"s{i}" for i in range(batch)]
     for s in ids:

@@ -52,11 +52,11 @@ class Pipeline:
         plans: list[StagePlan] | None = None,
         formats=None,
         compile: bool | None = None,
-        dequant_experts: bool = False,
+        dequant_experts: bool | None = None,
         **cache_kw,
     ) -> "Pipeline":
         """`compile`: the stages' compiled decode step (p2pk3.model.compiled; None: on for CUDA, off on the CPU,
-        P2PK3_COMPILE=1/0 overrides); `dequant_experts`: MXFP4 experts held dequantized (checkpoint.stage)."""
+        P2PK3_COMPILE=1/0 overrides); `dequant_experts`: MXFP4 experts held dequantized (None: `checkpoint.stage.default_dequant_experts`)."""
         from p2pk3.deploy.integrity import check_checkpoint  # the shards against the manifest, as a node does
 
         cfg = K3Config.from_pretrained(model_dir)
