@@ -19,11 +19,20 @@ POOL_SIZE = 32
 
 
 class Cluster:
-    def __init__(self, topo, *, connect_timeout_s: float = 5.0, pool_size: int = POOL_SIZE):
+    def __init__(
+        self,
+        topo,
+        *,
+        connect_timeout_s: float = 5.0,
+        pool_size: int = POOL_SIZE,
+        max_queue: int | None = None,
+        queue_timeout: float | None = None,
+    ):
         self.topo = topo
         self.secret = topo.secret()
         self.connect_timeout_s = connect_timeout_s
         self.pool_size = pool_size
+        self.queue = {"max_queue": max_queue, "queue_timeout": queue_timeout}  # tighter than the entry's (serve)
         self._idle: list[Client] = []
 
     async def _client(self) -> Client:
@@ -50,13 +59,13 @@ class Cluster:
         c = await self._client()
         ok = False
         try:
-            r = await c.generate(prompt, params, on_token=on_token)
+            r = await c.generate(prompt, params, on_token=on_token, **self.queue)
             ok = True
             return r
         except RequestError as e:
-            if e.code in ("busy", "bad_request"):
+            if e.code in ("busy", "queue_timeout", "bad_request"):
                 ok = True  # the connection is fine; the entry refused this request
-            raise from_cluster(e.code, e.message) from None
+            raise from_cluster(e.code, e.message, e.retry_after) from None
         finally:
             if ok and len(self._idle) < self.pool_size:
                 self._idle.append(c)
