@@ -126,7 +126,8 @@ class LocalRing:
             # micro-batches than can compute at once (docs/architecture.md, "The scheduler")
             self.extra += ["--micro-batches", str(max(1, min(nodes, os.cpu_count() or 1)))]
         self.log_dir = Path(log_dir) if log_dir else self.workdir
-        self.procs: dict[str, subprocess.Popen] = {}  # by the slot each process was started on
+        self.procs: dict[str, subprocess.Popen] = {}  # by the slot each process was started on (or spare name)
+        self.spare_ports: dict[str, int] = {}  # pool spares (spawn_spare) by name: the port each listens on
         self.failed = False
 
     @property
@@ -135,6 +136,9 @@ class LocalRing:
         return s.host, s.port
 
     def address(self, slot: str) -> tuple[str, int]:
+        """Where the process started on `slot` (or the pool spare of that name) listens."""
+        if slot in self.spare_ports:
+            return "127.0.0.1", self.spare_ports[slot]
         s = self.topo.slot(slot)
         return s.host, s.port
 
@@ -144,11 +148,21 @@ class LocalRing:
     def spawn(self, slot: str) -> subprocess.Popen:
         """Start the daemon of `slot` (again). The daemon runs with -P and the work folder as its working
         directory, so a folder named p2pk3 where the user stands cannot shadow the installed package."""
+        s = self.topo.slot(slot)
+        return self._popen(slot, ["--slot", slot, *(["--standby"] if s.standby else [])])
+
+    def spawn_spare(self, extra: list[str] | None = None) -> str:
+        """Start one more spare that no topology slot names (`p2pk3 node --standby` without --slot: it joins
+        the entry's spare pool) on a free port; returns its name in `procs` (pool1, pool2, ...)."""
+        name = f"pool{len(self.spare_ports) + 1}"
+        self.spare_ports[name] = free_ports(1)[0]
+        self._popen(name, ["--standby", "--port", str(self.spare_ports[name]), *(extra or [])])
+        return name
+
+    def _popen(self, name: str, role: list[str]) -> subprocess.Popen:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
-        s = self.topo.slot(slot)
-        log = open(self.log_path(slot), "a")
-        role = ["--standby"] if s.standby else []
+        log = open(self.log_path(name), "a")
         with _signals_held():  # a Ctrl-C between the start and `self.procs` would orphan the daemon
             p = subprocess.Popen(
                 [
@@ -159,8 +173,6 @@ class LocalRing:
                     "node",
                     "--topology",
                     str(self.topology),
-                    "--slot",
-                    slot,
                     *role,
                     "--dtype",
                     self.dtype,
@@ -173,7 +185,7 @@ class LocalRing:
                 start_new_session=True,
                 cwd=self.workdir,
             )
-            self.procs[slot] = p
+            self.procs[name] = p
         log.close()
         return p
 
