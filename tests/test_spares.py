@@ -100,3 +100,33 @@ def test_a_spare_on_any_port_joins_and_takes_the_next_failure_without_a_standby_
             return r.tokens
 
     assert run(go(), timeout=150) == want
+
+
+@pytest.mark.slow
+def test_after_an_entry_takeover_a_pool_spare_finds_the_new_entry(ckpt):
+    """A pool spare gets no `route` frames: when the entry slot moves, its joins at the old address fail,
+    and it finds the new entry through the other slots (their `not_entry` answer says where it is)."""
+    from p2pk3.model.config import K3Config
+    from p2pk3.node.local import free_ports
+    from p2pk3.topology import even_split
+
+    async def go():
+        ports = free_ports(3)
+        topo = even_split(K3Config.from_pretrained(ckpt), 2, host="127.0.0.1", base_port=ports[0],
+                          model_path=str(ckpt), n_standby=1)
+        for s, p in zip(topo.slots, ports):
+            s.port = p
+        async with InProcessRing(topo, ckpt, slots=["s0", "s1", "s2"], heartbeat_s=0.2, dead_after_s=1.0) as ring:
+            old, standby = ring.daemons[0], ring.daemons[2]
+            spare = await ring.start(None, port=0)
+            deadline = time.monotonic() + 30
+            while not old.public_stats()["spares"] or not standby.monitor.state("s0").ever_up:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            await old.stop("killed by the test")
+            while standby.role != "entry" or not any(r["ready"] for r in standby.public_stats()["spares"]):
+                assert time.monotonic() < deadline + 60, (standby.role, standby.public_stats().get("spares"))
+                await asyncio.sleep(0.1)
+            assert standby.public_stats()["spares"][0]["node"] == spare.node_id
+
+    run(go(), timeout=150)

@@ -124,20 +124,12 @@ def with_pool_slot(topo: Topology) -> Topology:
 
 
 async def join_pool(d) -> None:
-    """On a pool spare (the daemon `d`): tell the entry (wherever the route table says it is now) that this
-    spare listens at its advertised address, every JOIN_EVERY_S while it is a standby. Says once when it
-    joined, and why a join fails."""
-    from .failover import request
-
+    """On a pool spare (the daemon `d`): tell the entry that this spare listens at its advertised address,
+    every JOIN_EVERY_S while it is a standby. Says once when it joined, and why a join fails."""
     said_joined, last_error = None, None
     while d.role == "standby":
         try:
-            frame = join_frame(d.node_id, d.advertised_host, d.port)
-            reply = await request(d.routes.address(d.topo.active[0].id), d.secret, d.node_id, frame, 5.0)
-            if reply.kind == "error":
-                e = parse_error(reply)
-                raise ConnectionError(f"{e.code}: {e.message}")
-            entry_node, n = parse_joined(reply)
+            entry_node, n = await _join_once(d)
             if said_joined != entry_node:
                 log.warning("joined the spare pool of entry %s (%d spare%s ready or joining)", entry_node, n,
                             "" if n == 1 else "s")
@@ -159,13 +151,54 @@ async def join_pool(d) -> None:
         await asyncio.sleep(JOIN_EVERY_S)
 
 
+async def _join_once(d) -> tuple[str, int]:
+    """One `join`: at the entry's address as the route table knows it, else at every slot's address of the
+    topology (a pool spare gets no `route` frames: after an entry takeover the old address is dead), and
+    where a node without the entry role says the entry is now (its `not_entry` answer's `entry`)."""
+    from .failover import request
+
+    def addr(slot):
+        try:
+            return d.routes.address(slot)
+        except ConnectionError:
+            return None
+
+    todo = [a for a in [addr(d.topo.active[0].id), *(addr(s.id) for s in d.topo.slots)] if a is not None]
+    tried, last = set(), "no address known for the entry"
+    frame = join_frame(d.node_id, d.advertised_host, d.port)
+    while todo:
+        a = todo.pop(0)
+        if a in tried or a == (d.advertised_host, d.port):
+            continue
+        tried.add(a)
+        try:
+            reply = await request(a, d.secret, d.node_id, frame, 5.0)
+        except AuthenticationError:
+            raise
+        except Exception as e:  # noqa: BLE001 - that one is down: the next
+            last = f"{a[0]}:{a[1]}: {type(e).__name__}: {e}"
+            continue
+        if reply.kind == "joined":
+            return parse_joined(reply)
+        err = parse_error(reply)
+        last = f"{a[0]}:{a[1]}: {err.code}: {err.message}"
+        hint = reply.header.get("entry")
+        if isinstance(hint, list) and len(hint) == 2 and isinstance(hint[0], str) and isinstance(hint[1], int):
+            todo.insert(0, (hint[0], hint[1]))
+    raise ConnectionError(last)
+
+
 async def handle_join(d, conn, f: Frame) -> None:
     """On the entry (the daemon `d`): a `join` from a pool spare; answered with `joined` (or `not_entry`)."""
     node, host, port = parse_join(f)
     if node != conn.peer_id:
         raise ProtocolError(f"join frame for node {node[:64]!r} from node {conn.peer_id!r}")
     if d.coordinator is None:
-        await conn.send(error_frame(ErrorCode.NOT_ENTRY, f"slot {d.slot_id} has no entry role ({d.role})"))
+        try:
+            where = {"entry": list(d.routes.address(d.topo.active[0].id))}  # where this node thinks it is
+        except ConnectionError:
+            where = {}
+        await conn.send(error_frame(ErrorCode.NOT_ENTRY, f"slot {d.slot_id} has no entry role ({d.role})", **where))
         return
     seen = conn.peer_addr[0] if conn.peer_addr else None
     if host in ("127.0.0.1", "localhost") and seen and not seen.startswith("127."):
