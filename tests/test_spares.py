@@ -130,3 +130,20 @@ def test_after_an_entry_takeover_a_pool_spare_finds_the_new_entry(ckpt):
             assert standby.public_stats()["spares"][0]["node"] == spare.node_id
 
     run(go(), timeout=150)
+
+
+def test_node_cli_says_what_a_spare_needs(ckpt, tmp_path):
+    from click.testing import CliRunner
+
+    from p2pk3.cli import main
+    from p2pk3.node.local import write_local_topology
+
+    t = str(write_local_topology(ckpt, 2, tmp_path))
+    r = CliRunner().invoke(main, ["node", "--topology", t])
+    assert r.exit_code == 2 and "give --slot ID, or --standby to run as a spare" in r.output
+    r = CliRunner().invoke(main, ["node", "--topology", t, "--standby", "--rejoin-as-standby"])
+    assert r.exit_code == 2 and "--rejoin-as-standby is for a node started with --slot ID" in r.output
+    r = CliRunner().invoke(main, ["node", "--topology", t, "--slot", "s1", "--standby"])
+    assert r.exit_code == 2 and "slot s1 is not a standby slot" in r.output
+    r = CliRunner().invoke(main, ["node", "--help"])
+    assert "--max-queue" in r.output and "--queue-timeout" in r.output and "spare pool" in r.output
