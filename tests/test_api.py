@@ -355,6 +355,8 @@ def test_metrics(api):
     assert value("p2pk3_api_time_to_first_token_seconds_count") >= 10
     assert value("p2pk3_api_inter_token_latency_seconds_count") >= 100
     assert value("p2pk3_api_generated_tokens_total") >= 100
+    assert value("p2pk3_entry_queue_capacity") == MAX_QUEUE and value("p2pk3_entry_queue_refused") >= 1
+    assert value("p2pk3_entry_queued_requests") == 0
 
 
 @pytest.mark.slow

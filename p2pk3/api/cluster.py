@@ -8,6 +8,7 @@ resumes a request when the entry dies (a standby takes over)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Callable
 
 from p2pk3.node.client import Client, Reply, RequestError
@@ -71,6 +72,23 @@ class Cluster:
                 self._idle.append(c)
             else:
                 c.close()
+
+    async def entry_status(self, timeout: float = 1.0) -> dict | None:
+        """The entry's status (its queue for /metrics), or None when it does not answer in time."""
+        try:
+            c = await asyncio.wait_for(self._client(), timeout)
+        except (ApiError, asyncio.TimeoutError):
+            return None
+        try:
+            st = await asyncio.wait_for(c.status(), timeout)
+        except Exception:  # noqa: BLE001 - a broken connection: no figures this scrape
+            c.close()
+            return None
+        if len(self._idle) < self.pool_size:
+            self._idle.append(c)
+        else:
+            c.close()
+        return st
 
     def close(self) -> None:
         for c in self._idle:

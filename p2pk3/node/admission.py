@@ -133,8 +133,20 @@ class Admission:
             asyncio.get_running_loop().call_soon(self.pump)  # not inside the entry's result handling
 
     def pump(self) -> None:
-        """Admit waiters, in order, while there is room."""
+        """Admit waiters, in order, while there is room. The entry schedules once after all of them, so
+        their prompts can share prefill units (each submit alone would send a unit of its own)."""
         self._pumping = False
+        if not self.queue or not self.has_room():
+            return
+        entry, was = self.entry, self.entry.paused
+        entry.paused = was or "admitting queued requests"  # nothing is awaited until it is restored
+        try:
+            self._admit_waiters()
+        finally:
+            entry.paused = was
+            entry.kick()
+
+    def _admit_waiters(self) -> None:
         while self.queue and self.has_room():
             w = self.queue.popleft()
             if w.fut.done():  # cancelled meanwhile
