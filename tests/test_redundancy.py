@@ -53,9 +53,8 @@ async def _round(ring, victim: str) -> list:
         await asyncio.sleep(0.1 * i)
         c = await ring.client()
         try:
-            return (
-                await c.generate(PROMPTS[i], SamplingParams(max_tokens=LENGTHS[i]), on_token=on_first if i == 0 else None)
-            ).tokens
+            on_token = on_first if i == 0 else None
+            return (await c.generate(PROMPTS[i], SamplingParams(max_tokens=LENGTHS[i]), on_token=on_token)).tokens
         finally:
             c.close()
 

@@ -76,8 +76,11 @@ async def burst(url: str, n: int, tokens: int) -> dict:
             doc = await r.json()
             done = time.perf_counter() - t0
             n_tok = doc["usage"]["completion_tokens"] if r.status == 200 else 0
+            if r.status not in (200, 429):
+                errors[f"{r.status}: {doc.get('error', {}).get('message', doc)}"[:200]] += 1
             return r.status, r.headers.get("Retry-After"), done, n_tok
 
+    errors: Counter = Counter()
     conn = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=1800)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as s:
@@ -94,6 +97,7 @@ async def burst(url: str, n: int, tokens: int) -> dict:
         "p50_s": statistics.median(ok) if ok else None,
         "p99_s": ok[min(len(ok) - 1, int(0.99 * len(ok)))] if ok else None,
         "tokens": sum(t for *_, t in res),
+        "errors": errors,
     }
 
 
@@ -157,10 +161,13 @@ def main() -> int:
             f"{r['peak'][k] / 2**20:>8.0f} MiB {r['peak'][k] / idle[k]:>5.2f}x      " for k in idle
         )
         print(
-            f"{r['n']:>5} | {st.get(200, 0):>4} {st.get(429, 0):>4} {other:>5} {r['retry_after_missing']:>19} {ra:>13} | "
+            f"{r['n']:>5} | {st.get(200, 0):>4} {st.get(429, 0):>4} {other:>5} "
+            f"{r['retry_after_missing']:>19} {ra:>13} | "
             f"{r['wall_s']:>7.1f} {r['p50_s'] or 0:>6.1f} {r['p99_s'] or 0:>6.1f} "
             f"{(r['tokens'] / r['wall_s']) / base:>13.2f} | {mem}"
         )
+        for msg, k in r["errors"].most_common(3):
+            print(f"      {k} x {msg}")
         expect_ok = min(r["n"], adm["capacity"] + adm["max_queue"])
         bad += other + r["retry_after_missing"] + (st.get(200, 0) < expect_ok)
     print(

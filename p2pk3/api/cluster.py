@@ -3,7 +3,9 @@
 A `Client` connection carries one request at a time, so every concurrent HTTP request gets its own
 connection (and the entry batches them). Connections whose request ended cleanly go back to a small pool
 of idle ones (saving a connect + handshake + entry probe per request); a connection whose request was
-cancelled or failed is closed. `Client.for_topology` finds whichever node holds the entry role now and
+cancelled or failed is closed. At most DIALS_AT_ONCE new connections are set up at a time, so that a
+burst of hundreds of requests queues here (and then in the entry's admission queue) instead of
+overflowing the entry's listen backlog, whose dropped SYNs would fail connects after seconds. `Client.for_topology` finds whichever node holds the entry role now and
 resumes a request when the entry dies (a standby takes over)."""
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from p2pk3.params import SamplingParams
 from .errors import ApiError, from_cluster
 
 POOL_SIZE = 32
+DIALS_AT_ONCE = 16  # connections to the entry being set up at once: a burst must not overflow its listen backlog
 
 
 class Cluster:
@@ -34,6 +37,7 @@ class Cluster:
         self.connect_timeout_s = connect_timeout_s
         self.pool_size = pool_size
         self.queue = {"max_queue": max_queue, "queue_timeout": queue_timeout}  # tighter than the entry's (serve)
+        self._dials = asyncio.Semaphore(DIALS_AT_ONCE)
         self._idle: list[Client] = []
 
     async def _client(self) -> Client:
@@ -43,7 +47,8 @@ class Cluster:
                 return c
             c.close()
         try:
-            return await Client.for_topology(self.topo, self.secret, node_id="api", timeout=self.connect_timeout_s)
+            async with self._dials:  # the others wait their turn here, not in the entry's SYN queue
+                return await Client.for_topology(self.topo, self.secret, node_id="api", timeout=self.connect_timeout_s)
         except RequestError as e:
             raise ApiError(
                 503,

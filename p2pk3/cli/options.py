@@ -172,7 +172,12 @@ def queue_options(*, tighten: bool = False):
         f = click.option(
             "--queue-timeout", type=click.FloatRange(min=0, min_open=True), default=None, help=timeout_help
         )(f)
-        return click.option("--max-queue", type=click.IntRange(min=0), default=None, help=f"most {whose}; past it: busy (HTTP 429 + Retry-After)")(f)
+        return click.option(
+            "--max-queue",
+            type=click.IntRange(min=0),
+            default=None,
+            help=f"most {whose}; past it: busy (HTTP 429 + Retry-After)",
+        )(f)
 
     return deco
 

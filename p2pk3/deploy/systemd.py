@@ -68,7 +68,8 @@ def node_unit(
 ) -> str:
     # --rejoin-as-standby: a node restarted after a spare took its slot over joins the spare pool (it stays up)
     # instead of failing its claim, and systemd restarting it, forever
-    cmd = _q(p2pk3_command() + ["node", "--topology", str(topology)]) + " --slot %i --rejoin-as-standby $P2PK3_NODE_ARGS"
+    cmd = _q(p2pk3_command() + ["node", "--topology", str(topology)])
+    cmd += " --slot %i --rejoin-as-standby $P2PK3_NODE_ARGS"
     backoff = (
         "RestartSteps=8\nRestartMaxDelaySec=5min\n"
         if (systemd_version or BACKOFF_SYSTEMD) >= BACKOFF_SYSTEMD

@@ -7,8 +7,9 @@ Ring: slot 0 (embedding + entry) -> ... -> last slot (head: final norm, lm_head,
 The parts: stage_runner (torch), worker (batching), links (successor / entry connections), monitor
 (heartbeats), failover (what a dead slot means), entry + serving (sessions and clients), claims and
 discovery (who holds which slot), routes (where each slot is served now), takeover (the files a spare
-lacks), spares (the pool of standbys beyond the topology's), admission (the entry's queue). Frame kinds are dispatched by the table in `_handlers` (docs/protocol.md lists them all; every
-frame is built and parsed in transport/messages).
+lacks), spares (the pool of standbys beyond the topology's), admission (the entry's queue). Frame kinds
+are dispatched by the table in `_handlers` (docs/protocol.md lists them all; every frame is built and
+parsed in transport/messages).
 
 Near 700 lines, one module because it is the one place that wires those parts together: the
 lifecycle (start, take over, stop), the handler table and the outbound paths share the daemon's state;
@@ -83,7 +84,13 @@ log = logging.getLogger("p2pk3.node")
 
 class NodeDaemon:
     def __init__(
-        self, topo: Topology, slot: str | None, *, model_dir: str | Path, secret: bytes, options: NodeOptions | None = None
+        self,
+        topo: Topology,
+        slot: str | None,
+        *,
+        model_dir: str | Path,
+        secret: bytes,
+        options: NodeOptions | None = None,
     ):
         self.pool = slot is None  # a pool spare (node/spares.py): a standby no topology slot names
         if self.pool:
@@ -149,7 +156,7 @@ class NodeDaemon:
             "retain": self._on_retain,
             "file_list": self._on_file_list,
             "file_get": self._on_file_get,
-            "join": self._on_join,
+            "join": lambda conn, f, reqs: handle_join(self, conn, f),  # a pool spare (node/spares.py)
         }
 
     @property
@@ -584,9 +591,6 @@ class NodeDaemon:
         from p2pk3.deploy.peers import handle_file_get  # one chunk of a manifest file, rate-limited
 
         await handle_file_get(self.file_server(), conn, f)
-
-    async def _on_join(self, conn, f, reqs) -> None:
-        await handle_join(self, conn, f)
 
     async def _on_takeover(self, conn, f, reqs) -> None:
         slot, replaces = parse_takeover(f)

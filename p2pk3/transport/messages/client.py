@@ -31,7 +31,8 @@ class GenerateRequest:
     queue_timeout: float | None = None
 
     def frame(self) -> Frame:
-        queue = {k: v for k, v in (("max_queue", self.max_queue), ("queue_timeout", self.queue_timeout)) if v is not None}
+        queue = {"max_queue": self.max_queue, "queue_timeout": self.queue_timeout}
+        queue = {k: v for k, v in queue.items() if v is not None}
         return Frame.make(
             "generate",
             request_id=self.request_id,
