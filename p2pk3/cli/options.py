@@ -159,8 +159,12 @@ def queue_options(*, tighten: bool = False):
     beyond the entry's."""
     from p2pk3.node.options import DEFAULT_QUEUE_TIMEOUT_S, QUEUE_FACTOR
 
-    whose = "this server's requests may find waiting at the entry (never more than the entry's own)" if tighten else (
-        f"requests that wait at the entry for a free session  [default: {QUEUE_FACTOR} x the session capacity]"
+    queue_help = (
+        "most of this server's requests that may wait at the entry (never more than the entry's own); past it: "
+        "busy (HTTP 429 + Retry-After)  [default: the entry's]"
+        if tighten
+        else "most requests that wait at the entry for a free session; past it: busy (HTTP 429 + Retry-After)  "
+        f"[default: {QUEUE_FACTOR} x the session capacity]"
     )
     timeout_help = (
         "seconds this server's requests wait in the entry's queue at most  [default: the entry's]"
@@ -176,7 +180,7 @@ def queue_options(*, tighten: bool = False):
             "--max-queue",
             type=click.IntRange(min=0),
             default=None,
-            help=f"most {whose}; past it: busy (HTTP 429 + Retry-After)",
+            help=queue_help,
         )(f)
 
     return deco
