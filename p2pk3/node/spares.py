@@ -49,10 +49,6 @@ def spare_key(node_id: str) -> str:
     return KEY_PREFIX + node_id
 
 
-def is_spare_key(key: str) -> bool:
-    return key.startswith(KEY_PREFIX)
-
-
 @dataclass
 class Spare:
     node: str
@@ -119,8 +115,7 @@ def with_pool_slot(topo: Topology) -> Topology:
     """The topology as a pool spare sees it: the same slots plus a standby slot POOL_SLOT (no address)."""
     if any(s.id == POOL_SLOT for s in topo.slots):
         raise ValueError(f"the topology has a slot named {POOL_SLOT!r}, the id pool spares use; rename that slot")
-    t = replace(topo, slots=[*topo.slots, Slot(POOL_SLOT, standby=True)])
-    return t
+    return replace(topo, slots=[*topo.slots, Slot(POOL_SLOT, standby=True)])
 
 
 async def join_pool(d) -> None:
@@ -155,7 +150,7 @@ async def _join_once(d) -> tuple[str, int]:
     """One `join`: at the entry's address as the route table knows it, else at every slot's address of the
     topology (a pool spare gets no `route` frames: after an entry takeover the old address is dead), and
     where a node without the entry role says the entry is now (its `not_entry` answer's `entry`)."""
-    from .failover import request
+    from .failover import request  # (failover.py imports this module for SparePool)
 
     def addr(slot):
         try:
