@@ -40,6 +40,7 @@ PROMPTS = [
     "What does the yield keyword do?",
 ]
 MAX_SESSIONS = 8
+MAX_QUEUE = 4  # the entry's admission queue: requests past MAX_SESSIONS + MAX_QUEUE are refused (429)
 
 
 # ---------------------------------------------------------------- fixtures
@@ -54,7 +55,7 @@ def ring(tmp_path_factory):
         default_model_dir(),
         4,
         workdir=tmp_path_factory.mktemp("api-ring"),
-        extra_args=["--max-sessions", str(MAX_SESSIONS)],
+        extra_args=["--max-sessions", str(MAX_SESSIONS), "--max-queue", str(MAX_QUEUE)],
     )
     r.start()
     try:
@@ -322,6 +323,7 @@ def test_busy_cluster_is_429(aclient, ring):
             return n
         except openai.RateLimitError as e:
             assert e.status_code == 429 and e.body["code"] == "busy"
+            assert int(e.response.headers["Retry-After"]) >= 1
             return "busy"
 
     async def many():
@@ -332,7 +334,8 @@ def test_busy_cluster_is_429(aclient, ring):
             await c.close()
 
     res = asyncio.run(many())
-    assert "busy" in res and any(r != "busy" for r in res), res
+    # the queue holds MAX_QUEUE beyond the sessions (how many wait depends on when the first ones end)
+    assert "busy" in res and sum(r != "busy" for r in res) >= MAX_SESSIONS + MAX_QUEUE, res
 
 
 @pytest.mark.slow
@@ -352,6 +355,8 @@ def test_metrics(api):
     assert value("p2pk3_api_time_to_first_token_seconds_count") >= 10
     assert value("p2pk3_api_inter_token_latency_seconds_count") >= 100
     assert value("p2pk3_api_generated_tokens_total") >= 100
+    assert value("p2pk3_entry_queue_capacity") == MAX_QUEUE and value("p2pk3_entry_queue_refused") >= 1
+    assert value("p2pk3_entry_queued_requests") == 0
 
 
 @pytest.mark.slow
@@ -415,7 +420,8 @@ def test_cluster_errors_map_to_http(tok, tmp_path):
         out = {}
         topo = Topology.load(write_local_topology(default_model_dir(), 2, tmp_path))  # nothing listens there
         apps = {
-            "busy": FakeCluster([], ("busy", "busy: 2 sessions in flight")),
+            "busy": FakeCluster([], ("busy", "busy: 2 sessions in flight and 8 requests queued (max 8)", 7)),
+            "waited": FakeCluster([], ("queue_timeout", "waited 600 s in the entry's queue", 30)),
             "down": FakeCluster([], ("unavailable", "slot s2 is down")),
             "midstream": FakeCluster(word * 3, ("unavailable", "slot s2 is down")),
             "nobody": Cluster(topo, connect_timeout_s=0.5),
@@ -428,16 +434,18 @@ def test_cluster_errors_map_to_http(tok, tmp_path):
                         url + "/chat/completions",
                         json={"model": MODEL, "messages": chat("hi"), "stream": name == "midstream"},
                     ) as r:
-                        out[name] = (r.status, await r.text())
+                        out[name] = (r.status, await r.text(), r.headers.get("Retry-After"))
             finally:
                 await runner.cleanup()
         return out
 
     out = asyncio.run(go())
-    assert out["busy"][0] == 429 and json.loads(out["busy"][1])["error"]["code"] == "busy"
+    assert out["busy"][0] == 429 and json.loads(out["busy"][1])["error"]["code"] == "busy" and out["busy"][2] == "7"
+    assert out["waited"][0] == 503 and out["waited"][2] == "30"
+    assert out["down"][2] is None  # only the queue's answers carry a Retry-After
     assert out["down"][0] == 503 and "slot s2 is down" in json.loads(out["down"][1])["error"]["message"]
     assert out["nobody"][0] == 503 and "no entry" in json.loads(out["nobody"][1])["error"]["message"]
-    status, body = out["midstream"]
+    status, body, _ = out["midstream"]
     events = [e.removeprefix("data: ") for e in body.split("\n\n") if e]
     assert status == 200 and events[-1] == "[DONE]"
     assert "slot s2 is down" in json.loads(events[-2])["error"]["message"]

@@ -212,12 +212,14 @@ def test_wrong_secret_bad_frames_and_unknown_session_leave_the_ring_serving(ckpt
 
 def test_busy_when_sessions_run_out(ckpt):
     async def go():
-        async with InProcessRing(loopback_topology(ckpt, 2), ckpt, max_sessions=2) as ring:
+        # no admission queue (max_queue 0): past the sessions, refused at once (tests/test_admission.py: the queue)
+        async with InProcessRing(loopback_topology(ckpt, 2), ckpt, max_sessions=2, max_queue=0) as ring:
             cs = [await ring.client() for _ in range(3)]
             long = [asyncio.create_task(cs[i].generate(TOKS, SamplingParams(max_tokens=30))) for i in range(2)]
             await asyncio.sleep(0.05)
-            with pytest.raises(RequestError, match="busy"):
+            with pytest.raises(RequestError, match="busy") as busy:
                 await cs[2].generate(TOKS[:3], SamplingParams(max_tokens=2))
+            assert busy.value.retry_after >= 1
             outs = await asyncio.gather(*long)
             for c in cs:
                 c.close()

@@ -58,7 +58,7 @@ def test_files_and_commands(rack):
         assert line in node.splitlines()
     v = local_systemd_version()
     assert ("RestartSteps=8" in node.splitlines()) == ((v or BACKOFF_SYSTEMD) >= BACKOFF_SYSTEMD)
-    assert f"--topology {t.resolve()}" in node and "--slot %i $P2PK3_NODE_ARGS" in node
+    assert f"--topology {t.resolve()}" in node and "--slot %i --rejoin-as-standby $P2PK3_NODE_ARGS" in node
     assert "p2pk3 serve --topology" in (out / "p2pk3-api.service").read_text().replace(".cli serve", " serve")
     assert "P2PK3_NODE_ARGS=--standby" in (out / "env" / "spare.env").read_text()
     assert "sudo systemctl enable --now p2pk3-node@s0.service p2pk3-node@spare.service" in text
@@ -132,3 +132,56 @@ def test_the_node_units_exec_start_runs_and_stops_on_sigterm(rack, tmp_path):
     api = _exec_start((out / "p2pk3-api.service").read_text(), "", _env_file(out / "env" / "api.env"))
     r = subprocess.run(api + ["--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "OpenAI" in r.stdout
+
+
+@pytest.mark.slow
+def test_a_restarted_node_whose_slot_was_taken_over_rejoins_as_a_spare_instead_of_failing(rack, tmp_path):
+    """What systemd does after a takeover: the spare's unit took s0 over while s0's node was dead; s0's unit
+    restarts it with the same ExecStart. Its claim is refused (a live holder), and with the unit's
+    --rejoin-as-standby it joins the spare pool and stays up (no restart loop every RestartSec)."""
+    t, out, _ = rack
+    unit = (out / "p2pk3-node@.service").read_text()
+    procs = {}
+
+    def start(slot):
+        env = _env_file(out / "env" / f"{slot}.env")
+        log = tmp_path / f"{slot}-{len(procs)}.log"
+        with open(log, "w") as f:
+            p = subprocess.Popen(
+                _exec_start(unit, slot, env) + ["--device", "cpu"],
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **env, "CUDA_VISIBLE_DEVICES": ""},
+            )
+        procs[log] = p
+        return p, log
+
+    def wait_for(log, text, p, timeout=120):
+        deadline = time.monotonic() + timeout
+        while text not in log.read_text():
+            assert p.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, f"no {text!r} in: " + log.read_text()[-3000:]
+            time.sleep(0.2)
+
+    try:
+        s0, s0_log = start("s0")
+        wait_for(s0_log, "slot s0 up on", s0)
+        spare, spare_log = start("spare")
+        wait_for(spare_log, "slot spare up on", spare)
+        time.sleep(3)  # the spare hears the entry before it dies (it takes over a slot that was up)
+        s0.kill()
+        s0.wait(10)
+        wait_for(spare_log, "took over slot s0", spare)
+        again, again_log = start("s0")  # systemd restarts the unit
+        wait_for(again_log, "joining the spare pool instead", again)
+        wait_for(again_log, "spare pool up on", again)
+        wait_for(again_log, "joined the spare pool of entry", again)
+        time.sleep(2)
+        assert again.poll() is None  # it stays up: no claim retried every RestartSec
+        again.send_signal(signal.SIGTERM)
+        assert again.wait(timeout=30) == 0, again_log.read_text()[-2000:]
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)

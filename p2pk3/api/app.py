@@ -119,6 +119,9 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    entry_status = getattr(request.app[CLUSTER], "entry_status", None)  # the entry's queue, if it answers
+    if entry_status is not None:
+        request.app[METRICS].observe_entry(await entry_status())
     body, ctype = request.app[METRICS].render()
     return web.Response(body=body, headers={"Content-Type": ctype})
 

@@ -32,6 +32,20 @@ class ApiMetrics:
         )
         self.generated = Counter("p2pk3_api_generated_tokens", "completion tokens generated", ["route"], registry=r)
         self.prompt = Counter("p2pk3_api_prompt_tokens", "prompt tokens received", ["route"], registry=r)
+        # the entry's admission queue (node/admission.py), read from its status at scrape time
+        self.queued = Gauge("p2pk3_entry_queued_requests", "requests waiting in the entry's queue", registry=r)
+        self.queue_max = Gauge("p2pk3_entry_queue_capacity", "most requests the entry's queue holds", registry=r)
+        self.queue_refused = Gauge(
+            "p2pk3_entry_queue_refused", "requests the entry refused since it started (queue full)", registry=r
+        )
+
+    def observe_entry(self, status: dict | None) -> None:
+        """The entry's status (None: no answer): its queue's gauges."""
+        adm = (status or {}).get("admission")
+        if adm:
+            self.queued.set(adm["queued"])
+            self.queue_max.set(adm["max_queue"])
+            self.queue_refused.set(adm["refused"])
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

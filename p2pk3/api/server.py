@@ -35,12 +35,22 @@ def default_model_name(model_dir: Path, topo) -> str:
 
 
 async def serve(
-    topo, model_dir: Path, *, host: str, port: int, api_key: str | None, model_name: str | None, ready=None
+    topo,
+    model_dir: Path,
+    *,
+    host: str,
+    port: int,
+    api_key: str | None,
+    model_name: str | None,
+    ready=None,
+    max_queue: int | None = None,
+    queue_timeout: float | None = None,
 ) -> None:
-    """Serve until SIGINT / SIGTERM. `ready(url)` is called once the port listens."""
+    """Serve until SIGINT / SIGTERM. `ready(url)` is called once the port listens. `max_queue` /
+    `queue_timeout`: this server's requests' bounds in the entry's queue (only tighter than the entry's)."""
     from p2pk3.frontends.prompt import PromptBuilder
 
-    cluster = Cluster(topo)
+    cluster = Cluster(topo, max_queue=max_queue, queue_timeout=queue_timeout)
     app = create_app(
         cluster,
         PromptBuilder.from_pretrained(model_dir),

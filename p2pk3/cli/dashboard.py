@@ -41,10 +41,12 @@ def render(snap: dict):
 
     t, tot = snap["slots"], snap["totals"]
     spares = f" + {tot['standby']} standby" if tot["standby"] else ""
+    q = snap.get("queue")
+    queued = f" · queue {q['queued']}/{q['max_queue']} ({q['refused']} refused)" if q else ""
     title = (
         f"{snap['cluster']}: {tot['serving']}/{tot['active']} slots serving{spares} · "
         f"{_num(tot['tokens_per_s'])} tokens/s · "
-        f"{_num(tot['live_sessions'], '{}')} live sessions · entry {snap['entry'] or 'none'}"
+        f"{_num(tot['live_sessions'], '{}')} live sessions{queued} · entry {snap['entry'] or 'none'}"
     )
     notes = [f"{r['slot']}: {r['reason']}" for r in t if r["state"] not in ("up", "standby")]
     table = Table(

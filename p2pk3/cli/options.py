@@ -27,6 +27,8 @@ __all__ = [
     "topology_of_state",
     "sampling_options",
     "speculation_options",
+    "queue_options",
+    "queue_args",
     "TOPOLOGY_HELP",
 ]
 
@@ -149,3 +151,46 @@ def speculation_options(f):
             ),
         ],
     )
+
+
+def queue_options(*, tighten: bool = False):
+    """--max-queue, --queue-timeout: the entry's admission queue (node/admission.py). On `node` / `local`
+    they set the entry's bounds; with `tighten` (`serve`) they bound this front end's requests, never
+    beyond the entry's."""
+    from p2pk3.node.options import DEFAULT_QUEUE_TIMEOUT_S, QUEUE_FACTOR
+
+    queue_help = (
+        "most of this server's requests that may wait at the entry (never more than the entry's own); past it: "
+        "busy (HTTP 429 + Retry-After)  [default: the entry's]"
+        if tighten
+        else "most requests that wait at the entry for a free session; past it: busy (HTTP 429 + Retry-After)  "
+        f"[default: {QUEUE_FACTOR} x the session capacity]"
+    )
+    timeout_help = (
+        "seconds this server's requests wait in the entry's queue at most  [default: the entry's]"
+        if tighten
+        else f"seconds a request waits in the queue at most  [default: {DEFAULT_QUEUE_TIMEOUT_S:g}]"
+    )
+
+    def deco(f):
+        f = click.option(
+            "--queue-timeout", type=click.FloatRange(min=0, min_open=True), default=None, help=timeout_help
+        )(f)
+        return click.option(
+            "--max-queue",
+            type=click.IntRange(min=0),
+            default=None,
+            help=queue_help,
+        )(f)
+
+    return deco
+
+
+def queue_args(max_queue: int | None, queue_timeout: float | None) -> list[str]:
+    """The two queue options as `p2pk3 node` arguments (for the daemons `p2pk3 local` starts)."""
+    return [
+        a
+        for flag, v in (("--max-queue", max_queue), ("--queue-timeout", queue_timeout))
+        if v is not None
+        for a in (flag, f"{v:g}" if isinstance(v, float) else str(v))
+    ]

@@ -8,7 +8,7 @@ import click
 
 from .group import main
 from .common import DTYPES, MODEL_HELP, UserError, build_prompt, model_dir, plural, run_async, topology_model_dir
-from .options import sampling_options, speculation_options, topology_option
+from .options import queue_args, queue_options, sampling_options, speculation_options, topology_option
 
 
 class _Schedule(click.ParamType):
@@ -49,7 +49,16 @@ def _stop_on_signals(stop):
 @main.command()
 @topology_option()
 @click.option("--slot", help="the slot this daemon claims")
-@click.option("--standby", is_flag=True, help="run as a hot spare on a standby slot (takes over a dead slot)")
+@click.option(
+    "--standby",
+    is_flag=True,
+    help="run as a hot spare (takes over a dead slot); without --slot it joins the spare pool on any free port",
+)
+@click.option(
+    "--rejoin-as-standby",
+    is_flag=True,
+    help="when --slot is held by another node now (a spare took it over), join the spare pool instead of failing",
+)
 @click.option("--host", default=None, help="listen address (default: the slot's host, else 0.0.0.0)")
 @click.option(
     "--port",
@@ -114,11 +123,13 @@ def _stop_on_signals(stop):
     default=None,
     help="compiled decode step (CUDA graphs on a GPU); default: on for CUDA, off on the CPU",
 )
+@queue_options()
 @click.option("-v", "--verbose", count=True)
 def node(
     topology_path,
     slot,
     standby,
+    rejoin_as_standby,
     host,
     port,
     dtype,
@@ -135,12 +146,16 @@ def node(
     compile_decode,
     micro_batches,
     prefill_depth,
+    max_queue,
+    queue_timeout,
 ):
     """Run one node daemon of the ring."""
     import asyncio
     import logging
 
     import torch
+
+    from dataclasses import replace
 
     from p2pk3.node.claims import ClaimRefused
     from p2pk3.node.daemon import NodeDaemon
@@ -159,24 +174,22 @@ def node(
         level=logging.DEBUG if verbose > 1 else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     topo = Topology.load(topology_path)
-    if standby and not slot:
-        if not topo.standby:
-            raise click.UsageError(f"{topology_path} has no standby slots")
-        slot = topo.standby[0].id
-    if not slot:
+    if not slot and not standby:
         raise click.UsageError("give --slot ID, or --standby to run as a spare")
     known = [x.id for x in topo.slots]
-    if slot not in known:
+    if slot and slot not in known:
         raise click.BadParameter(
             f"unknown slot {slot!r} in {topology_path} (slots: {', '.join(known)})", param_hint="--slot"
         )
-    if standby and not topo.slot(slot).standby:
+    if standby and slot and not topo.slot(slot).standby:
         raise click.BadParameter(f"slot {slot} is not a standby slot", param_hint="--slot")
+    if rejoin_as_standby and not slot:
+        raise click.UsageError("--rejoin-as-standby is for a node started with --slot ID")
     secret = topo.secret()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     _check_device(device)
     opts = NodeOptions(
-        host=host or topo.slot(slot).host or "0.0.0.0",
+        host=host or (topo.slot(slot).host if slot else None) or "0.0.0.0",
         port=port,
         dtype=dtype,
         device=device,
@@ -190,23 +203,32 @@ def node(
         compile=compile_decode,
         micro_batches=micro_batches,
         prefill_depth=prefill_depth,
+        max_queue=max_queue,
+        **({"queue_timeout_s": queue_timeout} if queue_timeout is not None else {}),
     )
-    d = NodeDaemon(topo, slot, model_dir=topology_model_dir(topo), secret=secret, options=opts)
+    mdir = topology_model_dir(topo)
 
     async def run_daemon():
+        d = NodeDaemon(topo, slot, model_dir=mdir, secret=secret, options=opts)
         _stop_on_signals(lambda: asyncio.ensure_future(d.stop("signal")))
         try:
             await d.start()
         except ClaimRefused as e:
-            raise UserError(f"cannot claim slot {slot}: {e}") from None
-        except OSError as e:
-            if e.errno == 98:
+            if not rejoin_as_standby:
                 raise UserError(
-                    f"slot {slot}: port {d.port} on {d.host} is already in use (another node or program "
-                    f"holds it; see `ss -ltnp | grep {d.port}`)"
+                    f"cannot claim slot {slot}: {e}. If a spare took the slot over, this node can be a spare "
+                    f"now: `p2pk3 node --topology {topology_path} --standby` (or add --rejoin-as-standby, "
+                    f"as the systemd units do, to do that by itself)"
                 ) from None
-            raise
-        click.echo(f"node {d.node_id}: slot {slot} up on {d.host}:{d.port} ({d.role})", err=True)
+            click.echo(f"node {d.node_id}: cannot claim slot {slot} ({e}); joining the spare pool instead", err=True)
+            pool = replace(opts, port=opts.port if opts.port is not None else (topo.slot(slot).port or 0))
+            d = NodeDaemon(topo, None, model_dir=mdir, secret=secret, options=pool)
+            _stop_on_signals(lambda: asyncio.ensure_future(d.stop("signal")))
+            await _start_or_explain(d, "the spare pool")
+        except OSError as e:
+            _explain_os_error(e, d, f"slot {slot}" if slot else "the spare pool")
+        what = f"slot {d.slot_id}" if not d.pool else "spare pool"
+        click.echo(f"node {d.node_id}: {what} up on {d.host}:{d.port} ({d.role})", err=True)
         if metrics_port is not None:
             from p2pk3.node.metrics import start_metrics
 
@@ -280,6 +302,7 @@ def node(
     show_default=True,
     help="chunks of one prompt in flight at once (auto: one per node; 1: one at a time)",
 )
+@queue_options()
 def local(
     model,
     nodes,
@@ -293,6 +316,8 @@ def local(
     sampling,
     micro_batches,
     prefill_depth,
+    max_queue,
+    queue_timeout,
 ):
     """Start N daemons (and S standbys) on loopback as one ring; Ctrl-C, SIGTERM or SIGHUP stops them.
     A node that goes down, the standby that takes its slot over, and the ring's recovery are said here.
@@ -331,7 +356,13 @@ def local(
             claim_state_file(state_file)  # refuses a state file that a running ring owns; removes a stale one
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--state") from None
-    ring = LocalRing(mdir, nodes, dtype=dtype, standby=standby, extra_args=_schedule_args(micro_batches, prefill_depth))
+    ring = LocalRing(
+        mdir,
+        nodes,
+        dtype=dtype,
+        standby=standby,
+        extra_args=_schedule_args(micro_batches, prefill_depth) + queue_args(max_queue, queue_timeout),
+    )
     spares = f" and {plural(standby, 'standby', 'standbys')}" if standby else ""
     click.echo(f"starting {plural(nodes, 'daemon')}{spares} for {mdir} ...")
 
@@ -400,6 +431,23 @@ def local(
         if ring.failed or ring.exited():
             ring.failed = True
             click.echo(f"logs kept in {ring.log_dir}", err=True)
+
+
+async def _start_or_explain(d, what: str) -> None:
+    try:
+        await d.start()
+    except OSError as e:
+        _explain_os_error(e, d, what)
+
+
+def _explain_os_error(e: OSError, d, what: str):
+    if e.errno == 98:
+        hint = "" if d.pool or not d.slot.standby else "; another spare can join the pool: drop --slot"
+        raise UserError(
+            f"{what}: port {d.port} on {d.host} is already in use (another node or program "
+            f"holds it; see `ss -ltnp | grep {d.port}`){hint}"
+        ) from None
+    raise e
 
 
 def _check_port_free(host: str, port: int, param: str) -> None:

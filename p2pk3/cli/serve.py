@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from .group import main
-from .options import topology_option
+from .options import queue_options, topology_option
 from .common import UserError, run_async, topology_model_dir
 
 
@@ -20,7 +20,8 @@ from .common import UserError, run_async, topology_model_dir
     help="file holding the bearer API key clients must send (default: no auth)",
 )
 @click.option("--model-name", default=None, help="the model id clients use (default: the model folder's name)")
-def serve(topology_path, host, port, api_key_file, model_name):
+@queue_options(tighten=True)
+def serve(topology_path, host, port, api_key_file, model_name, max_queue, queue_timeout):
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /metrics) for a ring."""
     from p2pk3.api.server import log_ready, read_api_key, serve as run_server
     from p2pk3.topology import Topology
@@ -40,7 +41,17 @@ def serve(topology_path, host, port, api_key_file, model_name):
 
     async def go():
         try:
-            await run_server(topo, mdir, host=host, port=port, api_key=key, model_name=model_name, ready=log_ready)
+            await run_server(
+                topo,
+                mdir,
+                host=host,
+                port=port,
+                api_key=key,
+                model_name=model_name,
+                ready=log_ready,
+                max_queue=max_queue,
+                queue_timeout=queue_timeout,
+            )
         except OSError as e:
             if e.errno == 98:
                 raise UserError(f"port {port} on {host} is already in use") from None

@@ -4,7 +4,9 @@
 The node unit restarts on failure with a growing back-off (RestartSec, and RestartSteps /
 RestartMaxDelaySec on systemd >= 254), waits for the network (network-online.target), raises the
 open-files limit, allows pinned memory (LimitMEMLOCK=infinity), gives a stopping node TimeoutStopSec to
-drain its sessions after SIGTERM, and logs to the journal (`journalctl -u p2pk3-node@s0`).
+drain its sessions after SIGTERM, and logs to the journal (`journalctl -u p2pk3-node@s0`). A node whose
+slot a spare has taken over meanwhile rejoins as a spare when it restarts (`--rejoin-as-standby`), so the
+ring is back to full redundancy without anyone editing a unit.
 """
 
 from __future__ import annotations
@@ -64,7 +66,10 @@ def _q(args: list[str]) -> str:
 def node_unit(
     topology: Path, *, user: str | None, env_dir: str, systemd_version: int | None, stop_timeout_s: int = 60
 ) -> str:
-    cmd = _q(p2pk3_command() + ["node", "--topology", str(topology)]) + " --slot %i $P2PK3_NODE_ARGS"
+    # --rejoin-as-standby: a node restarted after a spare took its slot over joins the spare pool (it stays up)
+    # instead of failing its claim, and systemd restarting it, forever
+    cmd = _q(p2pk3_command() + ["node", "--topology", str(topology)])
+    cmd += " --slot %i --rejoin-as-standby $P2PK3_NODE_ARGS"
     backoff = (
         "RestartSteps=8\nRestartMaxDelaySec=5min\n"
         if (systemd_version or BACKOFF_SYSTEMD) >= BACKOFF_SYSTEMD

@@ -12,6 +12,9 @@ off). Slots that moved by takeover are found where their new holder answers: eve
 it serves now, and the entry address every node knows is probed too. `hop_ms` is the probe's status
 round trip (after the handshake), `compute_ms` the stage's last batch, `busy` its compute time / wall time
 over the last 5 s.
+
+The entry's spare pool (standbys no topology slot names, node/spares.py) gives rows of slot `pool` after
+the topology's, and its admission queue (node/admission.py) is the snapshot's `queue`.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+from p2pk3.node.spares import POOL_SLOT
+from p2pk3.topology import Slot
 from p2pk3.transport.connection import open_connection
 from p2pk3.transport.messages import parse_status, status_frame
 
@@ -89,7 +94,7 @@ class ClusterView:
             a
             for p in found.values()
             if p.status
-            for a in [_addr(p.status.get("address"))]
+            for a in [_addr(p.status.get("address"))] + [_addr(x.get("address")) for x in p.status.get("spares") or []]
             if a and a not in found and a not in extra
         }
         if extra:
@@ -118,6 +123,12 @@ class ClusterView:
             if p is None:  # nobody says it serves this slot: what answered at its address?
                 p = found.get(static.get(s.id)) if static.get(s.id) else None
             rows.append(self._row(s, p, down, now, prev))
+        for sp in (entry.get("spares") or []) if entry else []:  # the pool spares, as the entry knows them
+            a = _addr(sp.get("address"))
+            row = self._row(Slot(POOL_SLOT, standby=True), found.get(a), down, now, prev)
+            if row["node"] is None:
+                row.update(node=sp.get("node"), address=_fmt(a))
+            rows.append(row)
         self._prev = prev
         up = [r for r in rows if r["state"] == "up"]
         tps = [r["tokens_per_s"] for r in up if r["tokens_per_s"] is not None]
@@ -136,6 +147,7 @@ class ClusterView:
             "paused": entry.get("paused") if entry else None,
             "unavailable": entry.get("unavailable") if entry else None,
         }
+        queue = entry.get("admission") if entry else None
         return {
             "time": time.time(),
             "cluster": self.topo.cluster.name,
@@ -143,6 +155,7 @@ class ClusterView:
             "entry": _fmt(_addr(entry.get("address"))) if entry else None,
             "slots": rows,
             "totals": totals,
+            "queue": queue,
         }
 
     def _row(self, s, p: Probe | None, down: set[str], now: float, prev: dict) -> dict:

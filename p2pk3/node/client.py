@@ -60,10 +60,11 @@ def _definitive(e: BaseException) -> bool:
 
 
 class RequestError(RuntimeError):
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, retry_after: int | None = None):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+        self.retry_after = retry_after  # seconds (a `busy` or `queue_timeout` answer)
 
 
 @dataclass
@@ -192,10 +193,13 @@ class Client:
         incremental: bool = False,
         on_token: Callable[[int], None] | None = None,
         resume: bool | None = None,
+        max_queue: int | None = None,
+        queue_timeout: float | None = None,
     ) -> Reply:
         """One request; returns when it is done. Cancelling the awaiting task cancels the request in the
-        ring (its caches are freed). `resume` (default: when the client knows fallback addresses): carry
-        an interrupted request over to a new entry."""
+        ring (its caches are freed), or takes it out of the entry's queue. `resume` (default: when the
+        client knows fallback addresses): carry an interrupted request over to a new entry. `max_queue` /
+        `queue_timeout`: tighter bounds than the entry's for this request's wait in its queue."""
         params = params or SamplingParams()
         resume = self.can_resume if resume is None else resume
         if resume and params.temperature > 0 and params.seed is None:
@@ -205,7 +209,9 @@ class Client:
         while True:
             p = replace(params, max_tokens=params.max_tokens - len(streamed))
             try:
-                r = await self._one(list(prompt) + streamed, p, logits, incremental, streamed, on_token)
+                r = await self._one(
+                    list(prompt) + streamed, p, logits, incremental, streamed, on_token, (max_queue, queue_timeout)
+                )
                 r.tokens = streamed[: len(streamed) - len(r.streamed)] + r.tokens
                 r.streamed, r.resumed = streamed, moves
                 return r
@@ -218,10 +224,10 @@ class Client:
                 self.conn = await self._find_entry(self.resume_timeout_s)
                 moves += 1
 
-    async def _one(self, prompt, params, logits, incremental, streamed, on_token) -> Reply:
+    async def _one(self, prompt, params, logits, incremental, streamed, on_token, queue=(None, None)) -> Reply:
         self._rid += 1
         rid = self._rid
-        req = GenerateRequest(rid, prompt, params, logits, incremental)
+        req = GenerateRequest(rid, prompt, params, logits, incremental, *queue)
         await self.conn.send(req.frame())
         mine = []
         try:
@@ -241,7 +247,7 @@ class Client:
                     return Reply(d.tokens, d.stats, d.stage_stats, lg, mine)
                 elif f.kind == "error":
                     e = parse_error(f)
-                    raise RequestError(e.code, e.message)
+                    raise RequestError(e.code, e.message, e.retry_after)
                 else:
                     raise RequestError("bad_reply", f"unexpected frame {f.kind!r}")
         except asyncio.CancelledError:

@@ -7,10 +7,11 @@ Ring: slot 0 (embedding + entry) -> ... -> last slot (head: final norm, lm_head,
 The parts: stage_runner (torch), worker (batching), links (successor / entry connections), monitor
 (heartbeats), failover (what a dead slot means), entry + serving (sessions and clients), claims and
 discovery (who holds which slot), routes (where each slot is served now), takeover (the files a spare
-lacks). Frame kinds are dispatched by the table in `_handlers` (docs/protocol.md lists them all; every
-frame is built and parsed in transport/messages).
+lacks), spares (the pool of standbys beyond the topology's), admission (the entry's queue). Frame kinds
+are dispatched by the table in `_handlers` (docs/protocol.md lists them all; every frame is built and
+parsed in transport/messages).
 
-Just over 500 lines, one module because it is the one place that wires those parts together: the
+Near 700 lines, one module because it is the one place that wires those parts together: the
 lifecycle (start, take over, stop), the handler table and the outbound paths share the daemon's state;
 each part gets from it only what it needs (e.g. the failover Coordinator gets callbacks, not the daemon).
 """
@@ -52,6 +53,7 @@ from p2pk3.transport.messages import (
 )
 from p2pk3.transport.server import serve
 
+from .admission import Admission
 from .claiming import claim_slot
 from .claims import ClaimTable, handle_claim
 from .discovery import Discovery
@@ -63,6 +65,7 @@ from .monitor import Monitor
 from .options import NodeOptions
 from .routes import RouteTable
 from .serving import ClientRequests, ClientService
+from .spares import POOL_SLOT, SparePool, handle_join, join_pool, with_pool_slot
 from .takeover import fetch_lacking_files
 from .stage_runner import (
     HeadOut,
@@ -81,8 +84,17 @@ log = logging.getLogger("p2pk3.node")
 
 class NodeDaemon:
     def __init__(
-        self, topo: Topology, slot: str, *, model_dir: str | Path, secret: bytes, options: NodeOptions | None = None
+        self,
+        topo: Topology,
+        slot: str | None,
+        *,
+        model_dir: str | Path,
+        secret: bytes,
+        options: NodeOptions | None = None,
     ):
+        self.pool = slot is None  # a pool spare (node/spares.py): a standby no topology slot names
+        if self.pool:
+            topo, slot = with_pool_slot(topo), POOL_SLOT
         self.topo, self.slot_id = topo, slot
         topo.slot(slot)  # KeyError for an unknown slot
         self.model_dir = Path(model_dir)
@@ -90,7 +102,7 @@ class NodeDaemon:
         self.opts = o = (options or NodeOptions()).sized_by(topo.memory)
         self.host = o.host
         self.port = o.port if o.port is not None else (self.slot.port or 0)
-        self.node_id = o.node_id or f"{slot}@{os.uname().nodename}:{os.getpid()}"
+        self.node_id = o.node_id or f"{'spare' if self.pool else slot}@{os.uname().nodename}:{os.getpid()}"
         self.claims = ClaimTable(self.node_id)
         self.claim = None
         self.role = "starting"
@@ -100,6 +112,7 @@ class NodeDaemon:
         self.worker: StageWorker | None = None
         self.monitor: Monitor | None = None
         self.coordinator: Coordinator | None = None
+        self.spares = SparePool()  # the entry's pool spares (the entry role uses it)
         self.routes = RouteTable(topo.static_addresses())
         self.successor = PeerLink(
             "ring successor",
@@ -127,6 +140,7 @@ class NodeDaemon:
         self.started_mono = time.monotonic()  # the start-up grace (NodeOptions.startup_grace_s) counts from here
         self.cfg: K3Config | None = None
         self._taking: asyncio.Task | None = None
+        self._joining: asyncio.Task | None = None  # a pool spare's join loop
         self._file_server = None  # deploy.peers.FileServer, made on the first file request
         self._handlers = {
             "forward": self._on_forward,
@@ -142,6 +156,7 @@ class NodeDaemon:
             "retain": self._on_retain,
             "file_list": self._on_file_list,
             "file_get": self._on_file_get,
+            "join": lambda conn, f, reqs: handle_join(self, conn, f),  # a pool spare (node/spares.py)
         }
 
     @property
@@ -164,14 +179,17 @@ class NodeDaemon:
         try:
             if o.discovery:
                 await self._start_discovery()
-            await self._claim_slot(self.slot_id)
+            if not self.pool:  # a pool spare claims nothing until it takes a slot over
+                await self._claim_slot(self.slot_id)
         except BaseException:
             await self.stop("could not start")
             raise
         if self.slot.standby:
             self.role = "standby"
             self._start_monitor()
-            log.info("standby slot %s up on %s:%d (holds no layers)", self.slot_id, self.host, self.port)
+            if self.pool:
+                self._joining = asyncio.create_task(join_pool(self), name="join-pool")
+            log.info("standby %s up on %s:%d (holds no layers)", self.slot_id, self.host, self.port)
             return
         self._start_serving()
         log.info("slot %s serving on %s:%d: %s", self.slot_id, self.host, self.port, self.plan.describe())
@@ -230,9 +248,14 @@ class NodeDaemon:
                 broadcast=self.broadcast,
                 retain=self.retain,
                 request=lambda addr, frame, timeout: request(addr, self.secret, self.node_id, frame, timeout),
+                spares=self.spares,
             )
             self.clients = ClientService(
-                self.entry, self.cfg.vocab_size, health=self.coordinator.health, stage_stats=self.public_stats
+                self.entry,
+                self.cfg.vocab_size,
+                health=self.coordinator.health,
+                stage_stats=self.public_stats,
+                admission=Admission(self.entry, max_queue=o.max_queue, timeout_s=o.queue_timeout_s),
             )
 
     def _start_serving(self) -> None:
@@ -253,7 +276,7 @@ class NodeDaemon:
             self.secret,
             self.node_id,
             self._watched,
-            self.routes.address,
+            lambda key: self.spares.address(key) or self.routes.address(key),
             heartbeat_s=o.heartbeat_s,
             dead_after_s=o.dead_after_s,
             on_change=self._on_peer_change,
@@ -263,7 +286,9 @@ class NodeDaemon:
     def _watched(self) -> list[str]:
         """Entry: every other active slot and every standby. Standby: the entry slot and the other standbys."""
         if self.role == "entry":
-            return [s.id for s in self.topo.slots if s.id != self.slot_id]
+            if self.discovery is not None:
+                self.spares.heard(self.discovery.peers())
+            return [s.id for s in self.topo.slots if s.id != self.slot_id] + self.spares.keys()
         if self.role == "standby":
             return [self.topo.active[0].id] + [s.id for s in self.topo.standby if s.id != self.slot_id]
         return []
@@ -327,6 +352,8 @@ class NodeDaemon:
         for part in (self.worker, self.monitor, self.coordinator):
             if part is not None:
                 part.stop()
+        if self._joining is not None:
+            self._joining.cancel()
         if self.discovery is not None:
             await self.discovery.stop()
         if self.server is not None:
@@ -656,8 +683,11 @@ class NodeDaemon:
             st["paused"] = self.entry.paused
             st["finished"], st["failed"], st["cancelled"] = self.entry.finished, self.entry.failed, self.entry.cancelled
             st["schedule"] = self.entry.schedule_stats()
+        if self.clients is not None:
+            st["admission"] = self.clients.admission.stats()
         if self.coordinator is not None:
             st["unavailable"] = self.coordinator.unavailable
             st["down"] = sorted(self.coordinator.down)
             st["events"] = self.coordinator.events[-20:]
+            st["spares"] = self.spares.rows(self.monitor.state if self.monitor else lambda k: None)
         return st

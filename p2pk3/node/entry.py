@@ -171,6 +171,7 @@ class Entry:
         self.finished = 0
         self.failed = 0
         self.cancelled = 0  # stopped by their client (Ctrl-C, a disconnect): not failures
+        self.on_finish = None  # callable(Session) after a session ended (admission.py admits the next)
         # speculative decoding: the cluster's recent prompts and outputs (suffix proposer), the ring time of
         # passes by width as measured here (send -> result), how each method makes a session's proposer,
         # and how k is chosen ("adaptive": expected tokens per ring time; "fixed": always the request's
@@ -501,3 +502,5 @@ class Entry:
             self.finished += 1
         self._free_sessions([(s.id, s.epoch)])
         self.sessions.pop(s.id, None)
+        if self.on_finish is not None:
+            self.on_finish(s)

@@ -32,6 +32,7 @@ from .links import DIAL_ERRORS
 from .monitor import DEAD, DOWN, UP, Monitor, PeerState
 from .options import NodeOptions
 from .routes import RouteTable
+from .spares import SparePool
 
 log = logging.getLogger("p2pk3.node")
 
@@ -57,7 +58,8 @@ class Coordinator:
     `routes` (where slots are served; it announces the new route), `holder_of(slot, state)` (the claim a
     takeover replaces), `mark_dead(slot, node, epoch)` (void that claim), `broadcast(frame, stages_only=)`
     (to every other node), `retain(sessions)` (apply a `retain` on this node too) and `request(addr, frame,
-    timeout)` (one request / reply with a standby). The failure detector comes with `start(monitor)`."""
+    timeout)` (one request / reply with a standby); `spares` (node/spares.py: the pool spares beyond the
+    topology's standby slots, watched under their keys). The failure detector comes with `start(monitor)`."""
 
     def __init__(
         self,
@@ -72,8 +74,10 @@ class Coordinator:
         broadcast: Callable[..., Awaitable[None]],
         retain: Callable[[dict[str, int]], None],
         request: Request,
+        spares: SparePool | None = None,
     ):
         self.entry, self.slot_id, self.topo, self.opts, self.routes = entry, slot_id, topo, opts, routes
+        self.spares = spares
         self.holder_of, self.mark_dead, self.broadcast, self.retain, self.request = (
             holder_of,
             mark_dead,
@@ -126,13 +130,18 @@ class Coordinator:
         return None
 
     def _live_standbys(self) -> list[str]:
+        """The standby slots, then the pool spares, that answer heartbeats as standbys now."""
         m = self.monitor
         out = []
-        for s in self.topo.standby:
-            ps = m.state(s.id) if m else None
+        for key in [s.id for s in self.topo.standby] + (self.spares.keys() if self.spares else []):
+            ps = m.state(key) if m else None
             if ps is not None and ps.state == UP and ps.info.get("role") == "standby":
-                out.append(s.id)
+                out.append(key)
         return out
+
+    def _standby_address(self, key: str) -> tuple[str, int]:
+        a = self.spares.address(key) if self.spares is not None else None
+        return a if a is not None else self.routes.address(key)
 
     def _scan(self) -> None:
         """Recompute which active slots are down from the detector's states."""
@@ -198,7 +207,8 @@ class Coordinator:
         if not standbys:
             why = (
                 f"slot {slot} is down ({ps.reason}) and no standby is available to take it over; "
-                f"start a spare (`p2pk3 node --standby`) or restart the slot's node"
+                f"start a spare on any host (`p2pk3 node --topology ... --standby`: it joins at once) "
+                f"or restart the slot's node"
             )
             if self.unavailable != why:
                 log.error("%s", why)
@@ -214,7 +224,7 @@ class Coordinator:
         log.warning("slot %s is down (%s): asking standby %s to take it over", slot, ps.reason, sb)
         t0 = time.time()
         try:
-            reply = await self.request(self.routes.address(sb), takeover_frame(slot, replaces), TAKEOVER_TIMEOUT_S)
+            reply = await self.request(self._standby_address(sb), takeover_frame(slot, replaces), TAKEOVER_TIMEOUT_S)
             if reply.kind == "error":
                 e = parse_error(reply)
                 raise ConnectionError(f"{e.code}: {e.message}")
@@ -227,6 +237,8 @@ class Coordinator:
             await asyncio.sleep(self.opts.heartbeat_s)
             return
         self.routes.announce(route)
+        if self.spares is not None:
+            self.spares.taken(sb)  # a pool spare serves the slot now
         self.monitor.moved(slot)
         await self.broadcast(route_frame(route))
         self.events.append(

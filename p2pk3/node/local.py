@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -126,7 +127,8 @@ class LocalRing:
             # micro-batches than can compute at once (docs/architecture.md, "The scheduler")
             self.extra += ["--micro-batches", str(max(1, min(nodes, os.cpu_count() or 1)))]
         self.log_dir = Path(log_dir) if log_dir else self.workdir
-        self.procs: dict[str, subprocess.Popen] = {}  # by the slot each process was started on
+        self.procs: dict[str, subprocess.Popen] = {}  # by the slot each process was started on (or spare name)
+        self.spare_ports: dict[str, int] = {}  # pool spares (spawn_spare) by name: the port each listens on
         self.failed = False
 
     @property
@@ -135,20 +137,46 @@ class LocalRing:
         return s.host, s.port
 
     def address(self, slot: str) -> tuple[str, int]:
+        """Where the process started on `slot` (or the pool spare of that name) listens."""
+        if slot in self.spare_ports:
+            return "127.0.0.1", self.spare_ports[slot]
         s = self.topo.slot(slot)
         return s.host, s.port
 
     def log_path(self, slot: str) -> Path:
         return self.log_dir / f"node-{slot}.log"
 
-    def spawn(self, slot: str) -> subprocess.Popen:
-        """Start the daemon of `slot` (again). The daemon runs with -P and the work folder as its working
-        directory, so a folder named p2pk3 where the user stands cannot shadow the installed package."""
+    def spawn(self, slot: str, extra: list[str] | None = None) -> subprocess.Popen:
+        """Start the daemon of `slot` (again; `extra`: more `p2pk3 node` flags). The daemon runs with -P and
+        the work folder as its working directory, so a folder named p2pk3 where the user stands cannot
+        shadow the installed package."""
+        s = self.topo.slot(slot)
+        return self._popen(slot, ["--slot", slot, *(["--standby"] if s.standby else []), *(extra or [])])
+
+    def spawn_spare(self, *, any_port: bool = False, timeout: float = 120.0) -> str:
+        """Start one more spare that no topology slot names (`p2pk3 node --standby` without --slot: it joins
+        the entry's spare pool); returns its name in `procs` (pool1, pool2, ...) once it is up. On a free
+        port chosen here, or with `any_port` exactly as a user would start it (the port it says it took)."""
+        name = f"pool{len([n for n in self.procs if n.startswith('pool')]) + 1}"
+        port = None if any_port else free_ports(1)[0]
+        p = self._popen(name, ["--standby", *(["--port", str(port)] if port else [])])
+        deadline = time.time() + timeout
+        while port is None:  # "node ID: spare pool up on HOST:PORT (standby)"
+            m = re.search(r"spare pool up on [\d.]+:(\d+)", self.log_path(name).read_text())
+            if m:
+                port = int(m.group(1))
+            elif p.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"spare {name} did not come up; its log:\n{self.log_path(name).read_text()[-2000:]}")
+            else:
+                time.sleep(0.2)
+        self.spare_ports[name] = port
+        self.wait_up([name], timeout)
+        return name
+
+    def _popen(self, name: str, role: list[str]) -> subprocess.Popen:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
-        s = self.topo.slot(slot)
-        log = open(self.log_path(slot), "a")
-        role = ["--standby"] if s.standby else []
+        log = open(self.log_path(name), "a")
         with _signals_held():  # a Ctrl-C between the start and `self.procs` would orphan the daemon
             p = subprocess.Popen(
                 [
@@ -159,8 +187,6 @@ class LocalRing:
                     "node",
                     "--topology",
                     str(self.topology),
-                    "--slot",
-                    slot,
                     *role,
                     "--dtype",
                     self.dtype,
@@ -173,7 +199,7 @@ class LocalRing:
                 start_new_session=True,
                 cwd=self.workdir,
             )
-            self.procs[slot] = p
+            self.procs[name] = p
         log.close()
         return p
 

@@ -146,6 +146,20 @@ class DaemonCollector:
             yield gauge("p2pk3_live_sessions", "requests the entry is serving now", st["live_sessions"])
             yield counter("p2pk3_requests_finished", "requests the entry finished", st.get("finished", 0))
             yield gauge("p2pk3_paused", "1 while the entry holds requests back (a repair)", int(bool(st.get("paused"))))
+        adm = st.get("admission")
+        if adm:  # the entry's admission queue (node/admission.py)
+            yield gauge("p2pk3_queued_requests", "requests waiting in the entry's queue", adm["queued"])
+            yield gauge("p2pk3_queue_capacity", "most requests the entry's queue holds (--max-queue)", adm["max_queue"])
+            yield gauge("p2pk3_queue_oldest_wait_seconds", "how long the first request in the queue has waited",
+                        adm["oldest_wait_s"])
+            yield counter("p2pk3_queue_admitted", "requests admitted (at once or after waiting)", adm["admitted"])
+            yield counter("p2pk3_queue_waited", "requests admitted after waiting in the queue", adm["waited"])
+            yield counter("p2pk3_queue_refused", "requests refused: the queue was full (busy)", adm["refused"])
+            yield counter("p2pk3_queue_timed_out", "requests that waited the whole queue timeout", adm["timed_out"])
+            yield counter("p2pk3_queue_left", "requests that left the queue (client gone or cancelled)", adm["left"])
+        spares = st.get("spares")
+        if spares is not None:  # the entry's spare pool (node/spares.py)
+            yield gauge("p2pk3_spares", "standbys ready to take a slot over", sum(1 for x in spares if x["ready"]))
         if snap["peers"]:
             hop = GaugeMetricFamily(
                 "p2pk3_hop_latency_seconds", "heartbeat round trip to a peer slot", labels=[*lab, "peer"]

@@ -6,6 +6,8 @@ from dataclasses import dataclass, replace
 
 DEFAULT_SESSIONS = 32  # without a [memory] table in the topology
 DEFAULT_CACHE_TOKENS = 32768
+QUEUE_FACTOR = 4  # the default admission queue holds this many times the session capacity
+DEFAULT_QUEUE_TIMEOUT_S = 600.0  # node/admission.py says why
 
 
 @dataclass
@@ -26,6 +28,10 @@ class NodeOptions:
     # the entry's schedule (docs/architecture.md, "The scheduler"); None: auto = the ring's active slots
     micro_batches: int | None = None  # decode micro-batches in flight at once (1: one batch of every decode)
     prefill_depth: int | None = None  # chunks of one prompt in flight at once (1: the next leaves when one is back)
+    # admission (node/admission.py): requests beyond max_sessions wait in a queue of at most max_queue (None:
+    # 4 x max_sessions), each at most queue_timeout_s; a request that finds the queue full is refused (busy)
+    max_queue: int | None = None
+    queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
     discovery: bool = False  # UDP beacons
     claim_wait: float = 1.5  # seconds of listening to beacons before claiming
     # failure handling (docs/architecture.md, "Failure handling")

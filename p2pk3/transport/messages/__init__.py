@@ -4,7 +4,8 @@ them by who talks:
 
 * ring.py: between daemons along the ring: `forward`, `result`, `free`, `ping` / `pong`;
 * client.py: any authenticated peer <-> the entry: `generate`, `token`, `done`, `cancel`, `status`, `error`;
-* control.py: slot claims (`claim`, `claim_result`) and failure handling (`takeover`, `route`, `retain`);
+* control.py: slot claims (`claim`, `claim_result`), failure handling (`takeover`, `route`, `retain`) and the
+  spare pool (`join` -> `joined`);
 * files.py: file sharing between nodes (`file_list` -> `file_index`, `file_get` -> `file_chunk`);
 * fields.py: the field checks they share, and the error codes.
 
@@ -41,8 +42,12 @@ from .control import (
     Route,
     claim_frame,
     claim_result_frame,
+    join_frame,
+    joined_frame,
     parse_claim,
     parse_claim_result,
+    parse_join,
+    parse_joined,
     parse_retain,
     parse_route,
     parse_takeover,
@@ -129,6 +134,10 @@ __all__ = [
     "parse_route",
     "retain_frame",
     "parse_retain",
+    "join_frame",
+    "parse_join",
+    "joined_frame",
+    "parse_joined",
     # file sharing
     "FILE_CHUNK",
     "FileInfo",

@@ -18,15 +18,21 @@ MAX_PROMPT = 1 << 20
 class GenerateRequest:
     """`generate`: run `prompt` (token ids) and stream the continuation. `logits`: return every
     position's logits instead of sampling (with max_tokens 0: scoring). `incremental`: feed the prompt
-    one token per step (the decode path)."""
+    one token per step (the decode path). `max_queue` / `queue_timeout` (optional): the most requests this
+    one may find waiting before it, and the most seconds it waits in the entry's queue (node/admission.py);
+    they only tighten the entry's own bounds."""
 
     request_id: int
     prompt: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     logits: bool = False
     incremental: bool = False
+    max_queue: int | None = None
+    queue_timeout: float | None = None
 
     def frame(self) -> Frame:
+        queue = {"max_queue": self.max_queue, "queue_timeout": self.queue_timeout}
+        queue = {k: v for k, v in queue.items() if v is not None}
         return Frame.make(
             "generate",
             request_id=self.request_id,
@@ -34,6 +40,7 @@ class GenerateRequest:
             params=self.params.to_wire(),
             logits=self.logits,
             incremental=self.incremental,
+            **queue,
         )
 
     @classmethod
@@ -58,7 +65,14 @@ class GenerateRequest:
         for k, v in flags.items():
             if not isinstance(v, bool):
                 raise ValueError(f"{k} must be a bool")
-        return cls(rid, prompt, params, flags["logits"], flags["incremental"])
+        max_queue, timeout = h.get("max_queue"), h.get("queue_timeout")
+        if max_queue is not None and not (is_int(max_queue) and max_queue >= 0):
+            raise ValueError(f"max_queue must be an integer >= 0, got {brief(max_queue)}")
+        if timeout is not None and not (
+            isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout < 1e7
+        ):
+            raise ValueError(f"queue_timeout must be a number of seconds > 0, got {brief(timeout)}")
+        return cls(rid, prompt, params, flags["logits"], flags["incremental"], max_queue, timeout)
 
 
 def token_frame(request_id: int, session: str, token: int) -> Frame:
@@ -138,7 +152,7 @@ def parse_status(frame: Frame) -> dict[str, Any]:
 
 def error_frame(code: str, message: str, **ctx: Any) -> Frame:
     """code: an ErrorCode (or auth_failed during the handshake); message: for humans; ctx: request_id,
-    session, fatal (the sender closes the connection), ..."""
+    session, fatal (the sender closes the connection), retry_after (seconds; `busy` / `queue_timeout`), ..."""
     return Frame.make("error", code=code, message=message, **ctx)
 
 
@@ -151,6 +165,7 @@ class ErrorReply:
     message: str
     request_id: int | str | None = None
     fatal: bool = False
+    retry_after: int | None = None  # seconds after which a retry may succeed (busy, queue_timeout)
 
 
 def parse_error(frame: Frame) -> ErrorReply:
@@ -160,7 +175,10 @@ def parse_error(frame: Frame) -> ErrorReply:
         raise ProtocolError("error frame: code and message must be strings")
     if not (rid is None or isinstance(rid, str) or is_int(rid)) or not isinstance(fatal, bool):
         raise ProtocolError("error frame: request_id must be a string, an integer or nil, and fatal a bool")
-    return ErrorReply(code, msg, rid, fatal)
+    retry = h.get("retry_after")
+    if retry is not None and not (is_int(retry) and 0 <= retry <= 86400):
+        raise ProtocolError(f"error frame: retry_after must be whole seconds in 0..86400, got {brief(retry)}")
+    return ErrorReply(code, msg, rid, fatal, retry)
 
 
 def _request_id(h: dict, where: str) -> int:

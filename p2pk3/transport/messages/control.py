@@ -1,5 +1,6 @@
 """Control frames between daemons: slot claims (`claim` / `claim_result`; node/claims.py runs the
-protocol) and failure handling (`takeover`, `route`, `retain`; node/failover.py decides when)."""
+protocol), failure handling (`takeover`, `route`, `retain`; node/failover.py decides when) and the spare
+pool (`join` / `joined`; node/spares.py)."""
 
 from __future__ import annotations
 
@@ -190,3 +191,29 @@ def parse_retain(frame: Frame) -> dict[str, int]:
             raise ProtocolError(f"retain frame: sessions[{i}] must be [session (string), epoch (>= 0)], got {brief(x)}")
         out[x[0]] = x[1]
     return out
+
+
+# ------------------------------------------------------------------------------ the spare pool
+def join_frame(node: str, host: str, port: int) -> Frame:
+    """A pool spare (node/spares.py) tells the entry it is there: `node` listens at `host`:`port`."""
+    return Frame.make("join", node=node, host=host, port=int(port))
+
+
+def parse_join(frame: Frame) -> tuple[str, str, int]:
+    """(node, host, port)."""
+    h = expect(frame, "join")
+    port = h.get("port")
+    if not is_int(port) or not 0 < port < 65536:
+        raise ProtocolError(f"join frame: port must be an integer in 1..65535, got {brief(port)}")
+    return name(h.get("node"), "join frame: node"), name(h.get("host"), "join frame: host"), port
+
+
+def joined_frame(entry_node: str, spares: int) -> Frame:
+    """The entry's answer to a `join`: its node id and how many spares its pool holds now."""
+    return Frame.make("joined", entry=entry_node, spares=int(spares))
+
+
+def parse_joined(frame: Frame) -> tuple[str, int]:
+    """(entry node, spares)."""
+    h = expect(frame, "joined")
+    return name(h.get("entry"), "joined frame: entry"), count(h.get("spares"), "joined frame: spares")

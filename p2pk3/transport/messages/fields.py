@@ -17,7 +17,8 @@ class ErrorCode:
     BAD_FRAME = "bad_frame"  # malformed frame or protocol violation; the connection is closed
     NOT_ENTRY = "not_entry"  # a client request sent to a slot without the entry role
     BAD_REQUEST = "bad_request"  # a well-formed request with invalid contents (names the field)
-    BUSY = "busy"  # no room for the session right now (sessions or cache full): retry later
+    BUSY = "busy"  # no room for the session and the entry's queue is full: retry after `retry_after` s
+    QUEUE_TIMEOUT = "queue_timeout"  # waited the whole queue timeout without a free session (`retry_after`)
     FAILED = "failed"  # the request failed in the ring (message says where and why)
     UNAVAILABLE = "unavailable"  # a slot of the ring is down; message names it
     CANCELLED = "cancelled"  # the request was cancelled
