@@ -41,11 +41,13 @@ from p2pk3.transport.messages import (
     free_frame,
     parse_claim,
     parse_free,
+    parse_prefix_report,
     parse_result,
     parse_retain,
     parse_route,
     parse_takeover,
     pong_frame,
+    prefix_report_frame,
     result_frame,
     route_frame,
     status_frame,
@@ -61,6 +63,8 @@ from .links import LinkDown, PeerLink
 from .metrics import memory_usage
 from .monitor import Monitor
 from .options import NodeOptions
+from .prefix_match import PrefixMatcher
+from .prefix_setup import make_caches, model_id, reports
 from .routes import RouteTable
 from .serving import ClientRequests, ClientService
 from .takeover import fetch_lacking_files
@@ -140,6 +144,7 @@ class NodeDaemon:
             "route": self._on_route_frame,
             "takeover": self._on_takeover,
             "retain": self._on_retain,
+            "prefix_report": self._on_prefix_report,
             "file_list": self._on_file_list,
             "file_get": self._on_file_get,
         }
@@ -196,7 +201,7 @@ class NodeDaemon:
             None,
             o.compile,
         )  # formats: p2pk3.quant
-        self.runner = StageRunner(stage, stage.new_cache(o.max_sessions, o.cache_tokens))
+        self.runner = StageRunner(stage, *make_caches(stage, o, self.cfg, self.topo.model.formats))
         self.worker = StageWorker(
             self.runner,
             self._executor,
@@ -206,6 +211,7 @@ class NodeDaemon:
             report=self._report,
             pass_free=self._pass_free,
             first=plan.embed,
+            report_prefix=self._report_prefix,
         )
         if plan.embed:  # requests are taken from now on; they run once the worker starts
             m, d = o.schedule(len(self.topo.active))
@@ -219,6 +225,13 @@ class NodeDaemon:
                 prefill_depth=d,
                 stage_cost=self.worker.cost,
             )
+            if self.runner.prefix is not None:  # the entry's side of the prefix cache
+                self.entry.prefixes = PrefixMatcher(
+                    [s.id for s in self.topo.active],
+                    block=o.prefix_block,
+                    snapshot_every=o.snapshot_every,
+                    model=model_id(self.cfg, self.topo.model.formats),
+                )
             self.coordinator = Coordinator(
                 self.entry,
                 slot_id=slot_id,
@@ -238,6 +251,8 @@ class NodeDaemon:
     def _start_serving(self) -> None:
         self.role = "entry" if self.entry is not None else "stage"
         self.worker.start()
+        if self.runner.prefix is not None:  # a new holder's cache is empty: the entry forgets what it knew
+            asyncio.get_running_loop().create_task(self._report_prefix([], [], reset=True))
         if self.entry is not None:
             self._start_monitor()
             self.coordinator.start(self.monitor)
@@ -491,6 +506,11 @@ class NodeDaemon:
         if self.worker is not None:
             self.worker.put(Retain(keep))
 
+    async def _on_prefix_report(self, conn, f, reqs) -> None:
+        r = parse_prefix_report(f)
+        if self.entry is not None and self.entry.prefixes is not None:
+            self.entry.prefixes.on_report(r.slot, r.holder, r.added, r.evicted, reset=r.reset, stateless=r.stateless)
+
     async def _on_ping(self, conn, f, reqs) -> None:
         await conn.send(pong_frame(f, **self.public_stats()))
 
@@ -601,6 +621,15 @@ class NodeDaemon:
             self.entry.on_results(results, None)
             return
         await self._to_entry(result_frame(results))
+
+    async def _report_prefix(self, added, evicted, reset: bool = False) -> None:
+        """What this stage's prefix cache added and evicted, to the entry (directly when it is here)."""
+        for r in reports(self.slot_id, self.node_id, added, evicted, reset=reset, stateless=self.runner.prefix.stateless):
+            if self.entry is not None:
+                if self.entry.prefixes is not None:
+                    self.entry.prefixes.on_report(r.slot, r.holder, r.added, r.evicted, reset=r.reset, stateless=r.stateless)
+            else:
+                await self._to_entry(prefix_report_frame(r))
 
     async def _to_entry(self, frame: Frame) -> None:
         try:

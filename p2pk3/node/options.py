@@ -26,6 +26,12 @@ class NodeOptions:
     # the entry's schedule (docs/architecture.md, "The scheduler"); None: auto = the ring's active slots
     micro_batches: int | None = None  # decode micro-batches in flight at once (1: one batch of every decode)
     prefill_depth: int | None = None  # chunks of one prompt in flight at once (1: the next leaves when one is back)
+    # prefix cache (docs/architecture.md, "The prefix cache"): device tier and host tier in GiB (None: defaults
+    # from the free memory, p2pk3/node/prefix_setup.py; 0: off), tokens per block, a KDA snapshot every k blocks
+    prefix_cache_gb: float | None = None
+    host_cache_gb: float | None = None
+    prefix_block: int = 64
+    snapshot_every: int = 4
     discovery: bool = False  # UDP beacons
     claim_wait: float = 1.5  # seconds of listening to beacons before claiming
     # failure handling (docs/architecture.md, "Failure handling")

@@ -28,6 +28,7 @@ from typing import Awaitable, Callable
 
 from p2pk3.model.cache import CacheFull, SessionError
 from p2pk3.model.kimi_k3 import ExpertNotHeld
+from p2pk3.model.prefix_cache import PrefixMiss
 from p2pk3.spec.draft_len import PassCost
 from p2pk3.transport.messages import ErrorCode, Result, Segment
 
@@ -63,7 +64,13 @@ class WorkerStats:
 
 
 def error_results(segments: list[Segment], e: Exception) -> list[Result]:
-    code = ErrorCode.BUSY if isinstance(e, CacheFull) else ErrorCode.FAILED
+    code = (
+        ErrorCode.BUSY
+        if isinstance(e, CacheFull)
+        else ErrorCode.PREFIX_MISS
+        if isinstance(e, PrefixMiss)
+        else ErrorCode.FAILED
+    )
     msg = str(e).strip("'\"") if isinstance(e, RECOVERABLE) else f"{type(e).__name__}: {e}"
     return [Result(s.session, s.epoch, s.start_pos, error=msg, code=code) for s in segments]
 
@@ -117,10 +124,12 @@ class StageWorker:
         report: Callable[[list[Result]], Awaitable[None]],
         pass_free: Callable[[Free], Awaitable[None]],
         first: bool = False,
+        report_prefix: Callable[[list, list], Awaitable[None]] | None = None,
     ):
         self.runner, self.executor, self.slot = runner, executor, slot
         self.max_batch_tokens = max_batch_tokens
         self.emit, self.report, self.pass_free = emit, report, pass_free
+        self.report_prefix = report_prefix  # (added, evicted) of the stage's prefix cache -> the entry
         self.first = first  # the entry's stage: runs the entry's units as they are (no merging)
         self.items: collections.deque = collections.deque()
         self._wake = asyncio.Event()
@@ -261,6 +270,10 @@ class StageWorker:
             self.stats.tokens += sum(w.n_tokens for w in g)
             self.stats.last_batch_ms = 1000 * dt
             await self._outbox.put(("out", [s for w in g for s in w.segments], out))
+        if self.runner.prefix is not None and self.report_prefix is not None:
+            added, evicted = self.runner.prefix.take_report()
+            if added or evicted:
+                await self.report_prefix(added, evicted)
 
     async def _failed(self, work: Work, e: Exception) -> None:
         self.stats.errors += 1

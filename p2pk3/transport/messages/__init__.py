@@ -68,16 +68,19 @@ from .files import (
 )
 from .ring import (
     Forward,
+    PrefixReport,
     Result,
     Segment,
     forward_frame,
     free_frame,
     parse_forward,
     parse_free,
+    parse_prefix_report,
     parse_result,
     parse_pong,
     ping_frame,
     pong_frame,
+    prefix_report_frame,
     result_frame,
 )
 
@@ -98,6 +101,9 @@ __all__ = [
     "ping_frame",
     "pong_frame",
     "parse_pong",
+    "PrefixReport",
+    "prefix_report_frame",
+    "parse_prefix_report",
     # clients
     "GenerateRequest",
     "token_frame",
