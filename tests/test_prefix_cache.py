@@ -168,22 +168,29 @@ def test_matcher_keys_and_cuts():
     toks = list(range(10, 31))  # 21 tokens: 5 blocks and a tail of 1
     s = Session("x", 0, toks, len(toks), SamplingParams())
     m.begin(s)
-    assert s.snap_points == [8, 16, 20, 21]
+    assert s.snap_points == [8, 16, 20]  # every 2nd boundary, the last boundary before 20, the end (21 - 1)
     cuts = []
     while s.sent < len(toks):
         n, f = m.cut(s, 100)
         cuts.append((s.sent, n, len(f["blocks"]), "snap" in f))
         s.sent += n
-    assert cuts == [(0, 8, 2, True), (8, 8, 2, True), (16, 4, 1, True), (20, 1, 0, True)]
+    assert cuts == [(0, 8, 2, True), (8, 8, 2, True), (16, 4, 1, True), (20, 1, 0, False)]
+    toks = toks[:-2]  # 19 tokens: the end is a tail (18, inside block 4)
+    s = Session("y", 0, toks, len(toks), SamplingParams())
+    m.begin(s)
+    assert s.snap_points == [8, 16, 18]
     assert m.match(toks + [1], s.chain) == (0, None)  # nothing reported yet
-    tail = m.point_key(s.chain, toks, 21)
-    m.on_report("a", "h1", [(tail, 21)], [])
+    tail = m.point_key(s.chain, toks, 18)
+    for _ in range(3):
+        m.cut(s, 100)[0]
+        s.sent = {0: 8, 8: 16, 16: 18}[s.sent]
+    m.on_report("a", "h1", [(tail, 18)], [])
     assert m.match(toks + [1], s.chain) == (0, None)  # b does not hold it
-    m.on_report("b", "h2", [(tail, 21), (s.chain[1], 8)], [])
-    assert m.match(toks + [1], s.chain) == (21, tail)
-    assert m.match(toks, s.chain) == (0, None)  # the whole prompt: at least one token is computed
+    m.on_report("b", "h2", [(tail, 18), (s.chain[1], 8)], [])
+    assert m.match(toks, s.chain) == (18, tail)  # the same prompt again: all but its last token
+    assert m.match(toks[:18], s.chain) == (0, None)  # a shorter one: at least one token is computed
     m.on_report("a", "h1", [(s.chain[1], 8)], [])
-    assert m.match(toks, s.chain) == (8, s.chain[1])
+    assert m.match(toks[:18], s.chain) == (8, s.chain[1])
     m.on_report("a", "h3", [], [])  # a new holder (a takeover): what h1 reported is gone
     assert m.match(toks + [1], s.chain) == (0, None)
 

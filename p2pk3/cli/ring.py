@@ -8,7 +8,7 @@ import click
 
 from .group import main
 from .common import DTYPES, MODEL_HELP, UserError, build_prompt, model_dir, plural, run_async, topology_model_dir
-from .options import sampling_options, speculation_options, topology_option
+from .options import prefix_cache_args, prefix_cache_options, sampling_options, speculation_options, topology_option
 
 
 class _Schedule(click.ParamType):
@@ -114,6 +114,7 @@ def _stop_on_signals(stop):
     default=None,
     help="compiled decode step (CUDA graphs on a GPU); default: on for CUDA, off on the CPU",
 )
+@prefix_cache_options
 @click.option("-v", "--verbose", count=True)
 def node(
     topology_path,
@@ -135,6 +136,7 @@ def node(
     compile_decode,
     micro_batches,
     prefill_depth,
+    prefix_cache,
 ):
     """Run one node daemon of the ring."""
     import asyncio
@@ -190,6 +192,7 @@ def node(
         compile=compile_decode,
         micro_batches=micro_batches,
         prefill_depth=prefill_depth,
+        **prefix_cache,
     )
     d = NodeDaemon(topo, slot, model_dir=topology_model_dir(topo), secret=secret, options=opts)
 
@@ -280,6 +283,7 @@ def node(
     show_default=True,
     help="chunks of one prompt in flight at once (auto: one per node; 1: one at a time)",
 )
+@prefix_cache_options
 def local(
     model,
     nodes,
@@ -293,6 +297,7 @@ def local(
     sampling,
     micro_batches,
     prefill_depth,
+    prefix_cache,
 ):
     """Start N daemons (and S standbys) on loopback as one ring; Ctrl-C, SIGTERM or SIGHUP stops them.
     A node that goes down, the standby that takes its slot over, and the ring's recovery are said here.
@@ -331,7 +336,13 @@ def local(
             claim_state_file(state_file)  # refuses a state file that a running ring owns; removes a stale one
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--state") from None
-    ring = LocalRing(mdir, nodes, dtype=dtype, standby=standby, extra_args=_schedule_args(micro_batches, prefill_depth))
+    ring = LocalRing(
+        mdir,
+        nodes,
+        dtype=dtype,
+        standby=standby,
+        extra_args=_schedule_args(micro_batches, prefill_depth) + prefix_cache_args(prefix_cache),
+    )
     spares = f" and {plural(standby, 'standby', 'standbys')}" if standby else ""
     click.echo(f"starting {plural(nodes, 'daemon')}{spares} for {mdir} ...")
 

@@ -101,6 +101,7 @@ class PrefixStats:
     hits: int = 0
     hit_tokens: int = 0
     misses: int = 0
+    cold: int = 0  # sessions opened at position 0
     inserted: int = 0
     to_host: int = 0  # moved from the device tier to the host tier
     from_host: int = 0  # brought back on a hit
@@ -420,6 +421,7 @@ class PrefixCache:
             "hits": s.hits,
             "hit_tokens": s.hit_tokens,
             "misses": s.misses,
+            "hit_rate": s.hits / (s.hits + s.misses + s.cold) if s.hits + s.misses + s.cold else None,
             "to_host": s.to_host,
             "from_host": s.from_host,
             "evictions": s.evictions,

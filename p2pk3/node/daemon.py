@@ -678,6 +678,12 @@ class NodeDaemon:
             st["entry"] = list(self.routes.address(self.topo.active[0].id))
         except ConnectionError:
             st["entry"] = None
+        if self.runner is not None and self.runner.prefix is not None:  # this stage's prefix cache
+            st["prefix"] = self.runner.prefix.status()
+            st["memory"]["prefix_cache"] = self.runner.prefix.device_bytes
+            st["memory"]["host_cache"] = self.runner.prefix.host_bytes
+        if self.entry is not None and self.entry.prefixes is not None:  # hits and misses of the prompts
+            st["prefix_entry"] = self.entry.prefixes.status()
         if self.runner is not None:  # speculative decoding: passes by width, rollbacks (stage_runner.py)
             st["spec"] = self.runner.spec_stats() | (self.entry.spec_stats() if self.entry is not None else {})
         if self.entry is not None:

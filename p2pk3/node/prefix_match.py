@@ -14,8 +14,9 @@ session again, at a new epoch, from the next longest point (or position 0) — a
 possible, a miss costs one retry. A holder that changed (a takeover) reports an empty cache first.
 
 **What stages keep.** Every full block of a prompt (its MLA rows, shared by reference), and KDA
-snapshots sparsely: at the prompt's end, at the last boundary before it, and every `snapshot_every`-th
-block. A prefill chunk is cut to end at the next such point, so the stage takes the snapshot at the end
+snapshots sparsely: at the prompt's end (its last position but one: a request computes at least one
+token, so this is where the same prompt or a longer one starts), at the last boundary before it, and
+every `snapshot_every`-th block. A prefill chunk is cut to end at the next such point, so the stage takes the snapshot at the end
 of a forward (a chunk is one call of the KDA kernel, which keeps only its final state).
 """
 
@@ -113,9 +114,12 @@ class PrefixMatcher:
         return 0, None
 
     def snapshot_points(self, prompt_len: int) -> list[int]:
-        """Where a prompt of this length asks for KDA snapshots, in order."""
-        pts = {prompt_len, ((prompt_len - 1) // self.B) * self.B}
-        pts.update(range(self.k * self.B, prompt_len, self.k * self.B))
+        """Where a prompt of this length asks for KDA snapshots, in order: its end (the last position a
+        request can start at: prompt_len - 1, so that the same prompt again, and any longer one, finds it),
+        the last boundary before that, and every k-th boundary."""
+        end = prompt_len - 1
+        pts = {end, ((end - 1) // self.B) * self.B}
+        pts.update(range(self.k * self.B, end, self.k * self.B))
         return sorted(p for p in pts if p > 0)
 
     # ------------------------------------------------------------------ sessions

@@ -189,6 +189,8 @@ class StageRunner:
                     if self.prefix is None:
                         raise PrefixMiss(f"prefix_miss: session {sid} names a cached prefix; this stage caches none")
                     self.prefix.attach(sid, seg.prefix, seg.start_pos)
+                elif self.prefix is not None:
+                    self.prefix.stats.cold += 1
         except (CacheFull, SessionError):
             for sid in opened:
                 self.free(sid)

@@ -233,6 +233,8 @@ class StageWorker:
             try:
                 if kind == "free":
                     await self.pass_free(a)
+                elif kind == "prefix":
+                    await self.report_prefix(a, b[0])
                 else:
                     await self.emit(a, b[0])
             except asyncio.CancelledError:
@@ -265,15 +267,15 @@ class StageWorker:
             self.busy.stop()
         dt = time.perf_counter() - t0
         self.stats.busy_s += dt
+        if self.runner.prefix is not None and self.report_prefix is not None:
+            added, evicted = self.runner.prefix.take_report()
+            if added or evicted:  # sent before the outputs: the entry knows what is held when they arrive
+                await self._outbox.put(("prefix", added, evicted))
         for g, out in outs:
             self.stats.batches += 1
             self.stats.tokens += sum(w.n_tokens for w in g)
             self.stats.last_batch_ms = 1000 * dt
             await self._outbox.put(("out", [s for w in g for s in w.segments], out))
-        if self.runner.prefix is not None and self.report_prefix is not None:
-            added, evicted = self.runner.prefix.take_report()
-            if added or evicted:
-                await self.report_prefix(added, evicted)
 
     async def _failed(self, work: Work, e: Exception) -> None:
         self.stats.errors += 1

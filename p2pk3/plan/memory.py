@@ -57,13 +57,29 @@ class MemoryTable:
         return "\n".join(lines)
 
 
+PREFIX_DEFAULT_SHARE = 0.25  # a node's default prefix-cache budget on a GPU (p2pk3/node/prefix_setup.py)
+
+
 def memory_table(
-    cfg: K3Config, plan: SlotPlan, memory: MemorySpec, capacity_gib: float, formats: Mapping[str, str] | None = None
+    cfg: K3Config,
+    plan: SlotPlan,
+    memory: MemorySpec,
+    capacity_gib: float,
+    formats: Mapping[str, str] | None = None,
+    prefix_cache_gb: float | None = None,
 ) -> MemoryTable:
-    """The card's table: `sizing.weight_items` (weights by class and format) + `sizing.runtime_items`."""
+    """The card's table: `sizing.weight_items` (weights by class and format) + `sizing.runtime_items`, and
+    the prefix cache's device budget as its last line: `prefix_cache_gb` (`p2pk3 node --prefix-cache-gb`),
+    else the node's default, a quarter of what the rest leaves free."""
     t = MemoryTable(plan.slot, int(capacity_gib * GiB))
     t.weights = weight_items(cfg, plan, formats)
     t.runtime = runtime_items(cfg, plan, memory)
+    if plan.layers:
+        if prefix_cache_gb is None:
+            b = int(PREFIX_DEFAULT_SHARE * max(0, t.free))
+            t.runtime.append(("prefix cache (device tier)", "default: 1/4 of the free memory", b))
+        else:
+            t.runtime.append(("prefix cache (device tier)", "--prefix-cache-gb", int(prefix_cache_gb * GiB)))
     return t
 
 
