@@ -4,6 +4,7 @@ a stage that lost the prefix, the usage's cached tokens)."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
@@ -237,3 +238,84 @@ def test_ring_greedy_tokens_with_the_cache_equal_the_reference_and_report_cached
     assert got[0][1] == 0 and all(c >= shared for _, c in got[1:4]), got
     assert got[4][1] == 0 and st["misses"] >= 1
     assert st["hit_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_after_a_takeover_the_new_holder_misses_and_the_answers_stay_right(ckpt, reference):
+    from p2pk3.node.local import free_ports
+    from p2pk3.topology import Slot, Topology
+
+    system, turns = prompts(6)
+    topo = loopback_topology(ckpt, 3)
+    topo.slots.append(Slot("spare0", None, 2, "127.0.0.1", free_ports(1)[0], standby=True))
+    topo = Topology.from_dict(topo.to_dict())
+    opts = dict(prefill_chunk=8, prefix_block=B, snapshot_every=2, heartbeat_s=0.2, dead_after_s=1.0)
+
+    async def main():
+        async with InProcessRing(topo, ckpt, **opts) as ring:
+            spare = await ring.start("spare0")
+            c = await ring.client()
+            try:
+                got = [await c.generate(t, SamplingParams(max_tokens=5)) for t in turns[:2]]
+                await ring.daemons[1].stop("killed by the test")  # s1: the spare takes it over
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + 60
+                while not (spare.role == "stage" and ring.entry.coordinator.health() is None):
+                    assert loop.time() < deadline, "the spare did not take s1 over"
+                    await asyncio.sleep(0.1)
+                got += [await c.generate(t, SamplingParams(max_tokens=5)) for t in turns[2:4]]
+                return got
+            finally:
+                c.close()
+
+    got = run(main())
+    for t, r in zip(turns, got):
+        assert r.tokens == reference.generate([t], SamplingParams(max_tokens=5))[0]
+    cached = [r.stats["cached_tokens"] for r in got]
+    assert cached[0] == 0 and cached[1] > 0, cached
+    assert cached[2] == 0 and cached[3] > 0, cached  # the new holder's cache starts empty, then fills
+
+
+def test_live_sessions_take_back_blocks_only_the_cache_holds(stages):
+    c = Chain(stages, budget=1 << 20)
+    system, turns = prompts(7)
+    for t in turns:
+        c.score(t)
+    r = c.runners[-1]
+    cache, held = r.cache, len(r.prefix.nodes)
+    assert held and cache.free_blocks < cache.num_blocks
+    need = cache.free_blocks + 2  # more than the pool has free: the cache gives blocks back
+    r.cache.open("big")
+    from p2pk3.model.cache import Span
+
+    cache.reserve([Span("big", 0, need * B)])
+    assert len(cache.get("big").blocks) == need and r.prefix.stats.evictions > 0
+    cache.free("big")
+
+
+def test_the_planner_lists_the_budget_and_the_simulator_models_a_hit(ckpt):
+    from p2pk3.model.config import KIMI_K3
+    from p2pk3.plan.memory import memory_table
+    from p2pk3.sim import load_profile, simulate_sweep
+    from p2pk3.topology import GiB
+
+    topo = loopback_topology(ckpt, 2)
+    cfg = topo.model_config()
+    sp = topo.slot_plan(topo.active[0], cfg)
+    t = memory_table(cfg, sp, topo.memory, 8.0)
+    item, detail, b = t.rows()[-1]
+    assert item.startswith("prefix cache") and b == int(0.25 * t.free) and "prefix cache" in t.render()
+    assert memory_table(cfg, sp, topo.memory, 8.0, prefix_cache_gb=2).rows()[-1][2] == 2 * GiB
+    hw = load_profile(None)
+    kw = dict(prompt=32000, new_tokens=2, context=0)  # an agent turn: 30k cached, 2k new
+    cold = simulate_sweep(KIMI_K3, topo_k3(), hw, [1], **kw)[0]
+    hit = simulate_sweep(KIMI_K3, topo_k3(), hw, [1], cached_prefix=30000, **kw)[0]
+    assert hit.ttft_s < 0.5 * cold.ttft_s and hit.meta["cached_prefix"] == 30000
+
+
+def topo_k3():
+    from pathlib import Path
+
+    from p2pk3.topology import Topology
+
+    return Topology.load(Path(__file__).parent.parent / "topology" / "k3-80x5090.toml")
