@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 
+from p2pk3.model.cache_sizes import kda_session_bytes, mla_blocks
 from p2pk3.model.prefix_cache import PrefixCache, stage_namespace
 from p2pk3.transport.messages.ring import MAX_REPORT, PrefixReport
 
@@ -28,17 +29,18 @@ def available_ram() -> int:
     return 0
 
 
-def budgets(prefix_gb: float | None, host_gb: float | None, device: str) -> tuple[int, int]:
+def budgets(prefix_gb: float | None, host_gb: float | None, device: str, reserve: int = 0) -> tuple[int, int]:
     """(device tier, host tier) bytes: the options where given (0 = off), else the defaults: on a GPU a
-    quarter of its free memory and a quarter of the available RAM (at most 64 GiB) for the host tier; on a
-    CPU-only host a tenth of the available RAM (at most 4 GiB) and no second tier."""
+    quarter of its free memory once `reserve` more bytes (the sessions' caches, not allocated yet) are
+    taken, and a quarter of the available RAM (at most 64 GiB) for the host tier; on a CPU-only host a
+    tenth of the available RAM (at most 4 GiB) and no second tier."""
     cuda = str(device).startswith("cuda")
     if prefix_gb is not None:
         dev = int(prefix_gb * GB)
     elif cuda:
         import torch
 
-        dev = int(CUDA_DEFAULT_SHARE * torch.cuda.mem_get_info(torch.device(device))[0])
+        dev = int(CUDA_DEFAULT_SHARE * max(0, torch.cuda.mem_get_info(torch.device(device))[0] - reserve))
     else:
         dev = int(min(CPU_DEFAULT_SHARE * available_ram(), CPU_DEFAULT_CAP))
     if host_gb is not None:
@@ -59,12 +61,16 @@ def model_id(cfg, formats) -> str:
 def make_caches(stage, opts, cfg, formats):
     """(StageCache, PrefixCache or None) for a loaded stage: the MLA pool grows by the blocks the device
     budget buys (at most what the budget would be all blocks)."""
-    dev, host = budgets(opts.prefix_cache_gb, opts.host_cache_gb, opts.device)
     B = opts.prefix_block
+    kda, mla = stage.cache_layers()
+    item = stage.act_dtype.itemsize
+    sessions = opts.max_sessions * len(kda) * kda_session_bytes(
+        cfg.kda_num_heads, cfg.kda_head_dim, 3 * cfg.kda_num_heads * cfg.kda_head_dim, cfg.kda_conv_size
+    ) + len(mla) * mla_blocks(opts.cache_tokens, opts.max_sessions, B) * B * cfg.mla_cache_width * item
+    dev, host = budgets(opts.prefix_cache_gb, opts.host_cache_gb, opts.device, reserve=sessions)
     if dev <= 0:
         return stage.new_cache(opts.max_sessions, opts.cache_tokens, B), None
-    kda, mla = stage.cache_layers()
-    block_bytes = len(mla) * B * cfg.mla_cache_width * stage.act_dtype.itemsize
+    block_bytes = len(mla) * B * cfg.mla_cache_width * item
     extra = dev // block_bytes if block_bytes else 0
     cache = stage.new_cache(opts.max_sessions, opts.cache_tokens, B, prefix_blocks=extra)
     p = stage.plan
