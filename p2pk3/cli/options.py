@@ -162,7 +162,7 @@ _PREFIX_OPTIONS = (
      "the prefix cache's host-RAM tier, GiB (0: none)  [default: beside a GPU a quarter of the available RAM, "
      "at most 64; on a CPU none]"),
     ("--prefix-block", "prefix_block", click.IntRange(min=1), 64, "tokens per prefix-cache block (the MLA page)"),
-    ("--snapshot-every", "snapshot_every", click.IntRange(min=1), 4,
+    ("--snapshot-every", "snapshot_every", click.IntRange(min=1), 16,
      "a KDA state snapshot every this many blocks of a prompt (and at its end and last boundary)"),
 )
 

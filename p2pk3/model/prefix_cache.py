@@ -240,8 +240,11 @@ class PrefixCache:
                 self.stats.inserted += 1
                 if not self.kda:
                     self.added.append((self._ext(key), node.pos))
-            elif node.tier == "host":
-                self._promote(node, sc.blocks[b] if self.mla else None)
+            else:
+                if node.tier == "host":
+                    self._promote(node, sc.blocks[b] if self.mla else None)
+                if not self.kda:  # said again: an entry that started after the first report learns it
+                    self.added.append((self._ext(key), node.pos))
             self._touch(node)
             parent = node
         return parent
@@ -262,8 +265,6 @@ class PrefixCache:
                 parent.children[key] = node
                 self.nodes[key] = node
                 self.stats.inserted += 1
-                if not self.kda:
-                    self.added.append((self._ext(key), end))
             elif node.tier == "host":
                 self._bring_back(node)
         self._touch(node)
@@ -273,6 +274,7 @@ class PrefixCache:
                 {i: t[sc.row].clone() for i, t in self.cache.conv_state.items()},
             )
             self.device_bytes += node.snap.bytes()
+        if self.resumable(node):  # (again when it was: an entry that started since learns it)
             self.added.append((self._ext(node.key), node.pos))
 
     # ------------------------------------------------------------------ tiers

@@ -31,7 +31,7 @@ class NodeOptions:
     prefix_cache_gb: float | None = None
     host_cache_gb: float | None = None
     prefix_block: int = 64
-    snapshot_every: int = 4
+    snapshot_every: int = 16
     discovery: bool = False  # UDP beacons
     claim_wait: float = 1.5  # seconds of listening to beacons before claiming
     # failure handling (docs/architecture.md, "Failure handling")

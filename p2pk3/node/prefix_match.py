@@ -27,7 +27,7 @@ import hashlib
 from typing import Sequence
 
 DEFAULT_BLOCK = 64
-DEFAULT_SNAPSHOT_EVERY = 4  # k: a KDA snapshot every k-th block (docs/benchmarks.md, "Prefix cache": k measured)
+DEFAULT_SNAPSHOT_EVERY = 16  # k: a KDA snapshot every k-th block (docs/benchmarks.md, "Prefix cache": k measured)
 
 
 def chain_key(parent: str, tokens: Sequence[int]) -> str:
