@@ -5,6 +5,7 @@ a stage that lost the prefix, the usage's cached tokens)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 
 import pytest
@@ -197,6 +198,13 @@ def test_matcher_keys_and_cuts():
 
 
 # ------------------------------------------------------------------------------------------- ring
+class WrongGuesses:
+    """A draft proposer that always drafts: the last token + 1, + 2, ... (rejected but for a coincidence)."""
+
+    def propose(self, tokens, k):
+        return [(tokens[-1] + 1 + i) % 500 for i in range(k)]
+
+
 def run(coro):
     return _run(coro, 240.0)
 
@@ -208,30 +216,49 @@ def reference(ckpt):
 
 def test_ring_greedy_tokens_with_the_cache_equal_the_reference_and_report_cached_tokens(ckpt, reference):
     system, turns = prompts(5)
-    params = [SamplingParams(max_tokens=6), SamplingParams(max_tokens=6, speculate="ngram", draft_tokens=3)]
+    # turns 1 and 3 speculate; turn 1 ends at a stop id inside a verify pass (its drafts after the stop are
+    # rolled back before the stages keep its reply)
+    stop = reference.generate([turns[1]], SamplingParams(max_tokens=6))[0][3]
+    plain = [SamplingParams(max_tokens=6), SamplingParams(max_tokens=6, stop_ids=(stop,))] * 2
+    params = [p if i % 2 == 0 else dataclasses.replace(p, speculate="ngram", draft_tokens=3) for i, p in enumerate(plain)]
 
     async def main():
         topo = loopback_topology(ckpt, 3)
         async with InProcessRing(topo, ckpt, prefill_chunk=8, prefix_block=B, snapshot_every=2) as ring:
+            # always k drafts, of tokens the model mostly rejects: verify passes and rollbacks on every stage
+            ring.entry.entry.draft_policy = "fixed"
+            ring.entry.entry.proposer_factories["ngram"] = WrongGuesses
             c = await ring.client()
             try:
-                got = []
+                got, again, spec = [], [], []
                 for i, t in enumerate(turns[:4]):
-                    r = await c.generate(t, params[i % 2])
+                    r = await c.generate(t, params[i])
                     got.append((r.tokens, r.stats["cached_tokens"]))
+                    spec.append(r.stats.get("proposed", 0) - r.stats.get("accepted", 0))
+                # the next turn of the first conversation: its reply was kept too (all of it but the last
+                # token, which was never fed), whether it was drafted (turn 1) or not (turn 0)
+                for i in (0, 1):
+                    nxt = turns[i] + got[i][0] + [11, 12]
+                    r = await c.generate(nxt, params[0])
+                    again.append((nxt, r.tokens, r.stats["cached_tokens"]))
                 ring.daemons[2].runner.prefix.clear()  # the last stage lost everything: misses, fallbacks
                 ring.daemons[2].runner.prefix.take_report()
                 r = await c.generate(turns[4], params[0])
                 got.append((r.tokens, r.stats["cached_tokens"]))
                 st = ring.entry.entry.prefixes.status()
-                return got, st
+                return got, again, st, spec
             finally:
                 c.close()
 
-    got, st = run(main())
+    got, again, st, spec = run(main())
+    assert spec[1] > 0, spec  # drafts were rejected: the stages rolled back (also before keeping the reply)
+    for i, (nxt, toks, cached) in enumerate(again):
+        assert toks == reference.generate([nxt], SamplingParams(max_tokens=6))[0]
+        assert cached == len(turns[i]) + len(got[i][0]) - 1, (i, cached)
     for i, (toks, _) in enumerate(got):
-        want = reference.generate([turns[i]], SamplingParams(max_tokens=6))[0]
+        want = reference.generate([turns[i]], plain[i] if i < 4 else plain[0])[0]
         assert toks == want, i
+    assert len(got[1][0]) == 4  # stopped at the stop id
     # distinct suffixes after the shared system prompt: each later turn starts at the last snapshot (every
     # 2nd block) inside the shared part
     shared = len(system) // (2 * B) * 2 * B

@@ -41,6 +41,7 @@ from p2pk3.transport.messages import (
     free_frame,
     parse_claim,
     parse_free,
+    parse_free_keep,
     parse_prefix_report,
     parse_result,
     parse_retain,
@@ -497,7 +498,7 @@ class NodeDaemon:
     async def _on_free(self, conn, f, reqs) -> None:
         self._need_stage("free")
         sessions, origin = parse_free(f)
-        self.worker.put(Free([(str(s), e) for s, e in sessions], origin))
+        self.worker.put(Free([(str(s), e) for s, e in sessions], origin, parse_free_keep(f)))
 
     async def _on_retain(self, conn, f, reqs) -> None:
         self.retain(parse_retain(f))
@@ -638,14 +639,16 @@ class NodeDaemon:
             log.warning("slot %s: could not reach the entry: %s", self.slot_id, e)
 
     def _free_from_entry(self, sessions) -> None:
-        self.worker.put(Free([(str(s), e) for s, e in sessions], origin=self.node_id))
+        p = self.entry.prefixes if self.entry is not None else None
+        keep = p.take_kept([str(s) for s, _ in sessions]) if p is not None else {}
+        self.worker.put(Free([(str(s), e) for s, e in sessions], origin=self.node_id, keep=keep))
 
     async def _pass_free(self, fr: Free) -> None:
         act = self.topo.active
         if act.index(self.slot) == len(act) - 1:
             return
         try:
-            await self.successor.send(free_frame(fr.sessions, fr.origin))
+            await self.successor.send(free_frame(fr.sessions, fr.origin, fr.keep))
         except LinkDown as e:
             log.warning("slot %s: free not passed on: %s", self.slot_id, e)
 

@@ -525,5 +525,7 @@ class Entry:
             self.failed += 1
         else:
             self.finished += 1
+        if self.prefixes is not None and code in (None, ErrorCode.CANCELLED):
+            self.prefixes.finished(s)  # the stages keep its reply too, before they free it
         self._free_sessions([(s.id, s.epoch)])
         self.sessions.pop(s.id, None)

@@ -26,7 +26,10 @@ import array
 import hashlib
 from typing import Sequence
 
+from p2pk3.transport.messages import Keep
+
 DEFAULT_BLOCK = 64
+MAX_TAIL_PARENTS = 1 << 16  # boundaries whose tails the entry remembers (the least recent forgotten)
 DEFAULT_SNAPSHOT_EVERY = 16  # k: a KDA snapshot every k-th block (docs/benchmarks.md, "Prefix cache": k measured)
 
 
@@ -52,7 +55,8 @@ class PrefixMatcher:
         self.held: dict[str, set[str]] = {s: set() for s in self.slots}
         self.stateless: set[str] = set()
         self.holders: dict[str, str] = {}
-        self.tails: dict[str, set[int]] = {}  # boundary key -> tail positions asked for under it
+        self.tails: dict[str, set[int]] = {}  # boundary key -> tail positions asked for under it (oldest first)
+        self.kept: dict[str, Keep] = {}  # finished sessions -> what the stages keep of their generated part
         self.hit_tokens = self.miss_tokens = 0  # prompt tokens started from the cache / computed
         self.misses = 0  # prefix_miss answers
 
@@ -158,8 +162,33 @@ class PrefixMatcher:
             key = self.point_key(s.chain, s.tokens, end)
             fields["snap"] = key
             if end % self.B:
-                self.tails.setdefault(self._parent(s.chain, end), set()).add(end)
+                self._add_tail(self._parent(s.chain, end), end)
         return n, fields
+
+    def finished(self, s) -> None:
+        """`s` ended after decoding: the stages keep what it generated too (a chat's or an agent's next
+        prompt repeats the reply), registered before they free it (`take_kept`: the free frame's `keep`)."""
+        if s.want_logits or s.sent <= s.prompt_len or s.sent > len(s.tokens):
+            return
+        toks = s.tokens[: s.sent]
+        chain = list(s.chain)
+        for b in range(len(chain), s.sent // self.B):
+            chain.append(chain_key(chain[-1] if chain else self.root, toks[b * self.B : (b + 1) * self.B]))
+        start = s.prompt_len
+        snap = self.point_key(chain, toks, s.sent)
+        if s.sent % self.B:
+            self._add_tail(self._parent(chain, s.sent), s.sent)
+        self.kept[s.id] = Keep(start, s.sent - start, tuple(chain[start // self.B : s.sent // self.B]), snap)
+
+    def take_kept(self, sessions: list[str]) -> dict:
+        return {sid: self.kept.pop(sid) for sid in sessions if sid in self.kept}
+
+    def _add_tail(self, parent: str, pos: int) -> None:
+        t = self.tails.pop(parent, set())
+        t.add(pos)
+        self.tails[parent] = t  # most recent last
+        while len(self.tails) > MAX_TAIL_PARENTS:
+            self.tails.pop(next(iter(self.tails)))
 
     def account(self, s) -> None:
         """A prompt done: its cached and computed tokens into the totals."""

@@ -143,6 +143,21 @@ class StageRunner:
             self.prefix.forget(session)
         return True
 
+    def keep(self, session: str, k) -> None:
+        """Before a finished session is freed: register its generated part in the prefix cache (a `Keep`).
+        Rejected drafts of its last verify pass are rolled back first; a session that holds other than
+        start + n tokens is left alone."""
+        if self.prefix is None or not self.cache.has(session):
+            return
+        end = k.start + k.n
+        try:
+            if self.cache.get(session).length > end:
+                self.stage.rollback(self.cache, session, end)
+            if self.cache.get(session).length == end:
+                self.prefix.insert(session, k.start, k.n, list(k.blocks), k.snap)
+        except (SessionError, CacheFull):
+            pass
+
     def free_all(self) -> int:
         n = len(self.epochs)
         for sid in list(self.epochs):

@@ -23,7 +23,7 @@ import collections
 import logging
 import time
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 from p2pk3.model.cache import CacheFull, SessionError
@@ -45,6 +45,7 @@ OUTBOX = 4  # outputs waiting to be sent before the worker waits for the sender 
 class Free:
     sessions: list[tuple[str, int]]
     origin: str
+    keep: dict = field(default_factory=dict)  # session -> Keep: registered in the prefix cache first
 
 
 @dataclass
@@ -171,7 +172,10 @@ class StageWorker:
                 self.items.popleft()
                 if isinstance(head, Free):
                     for sid, epoch in head.sessions:
+                        if str(sid) in head.keep and self.runner.epochs.get(str(sid)) == epoch:
+                            self.runner.keep(str(sid), head.keep[str(sid)])
                         self.runner.free(str(sid), epoch)
+                    await self._report_prefix()
                     await self._outbox.put(("free", head))
                 else:
                     self._retain(head)
@@ -267,15 +271,19 @@ class StageWorker:
             self.busy.stop()
         dt = time.perf_counter() - t0
         self.stats.busy_s += dt
-        if self.runner.prefix is not None and self.report_prefix is not None:
-            added, evicted = self.runner.prefix.take_report()
-            if added or evicted:  # sent before the outputs: the entry knows what is held when they arrive
-                await self._outbox.put(("prefix", added, evicted))
+        await self._report_prefix()  # before the outputs: the entry knows what is held when they arrive
         for g, out in outs:
             self.stats.batches += 1
             self.stats.tokens += sum(w.n_tokens for w in g)
             self.stats.last_batch_ms = 1000 * dt
             await self._outbox.put(("out", [s for w in g for s in w.segments], out))
+
+    async def _report_prefix(self) -> None:
+        """What the prefix cache added and evicted since the last report, to the ordered sender."""
+        if self.runner.prefix is not None and self.report_prefix is not None:
+            added, evicted = self.runner.prefix.take_report()
+            if added or evicted:
+                await self._outbox.put(("prefix", added, evicted))
 
     async def _failed(self, work: Work, e: Exception) -> None:
         self.stats.errors += 1

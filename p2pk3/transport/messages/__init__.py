@@ -68,6 +68,7 @@ from .files import (
 )
 from .ring import (
     Forward,
+    Keep,
     PrefixReport,
     Result,
     Segment,
@@ -75,6 +76,7 @@ from .ring import (
     free_frame,
     parse_forward,
     parse_free,
+    parse_free_keep,
     parse_prefix_report,
     parse_result,
     parse_pong,
@@ -101,6 +103,8 @@ __all__ = [
     "ping_frame",
     "pong_frame",
     "parse_pong",
+    "Keep",
+    "parse_free_keep",
     "PrefixReport",
     "prefix_report_frame",
     "parse_prefix_report",

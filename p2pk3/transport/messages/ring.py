@@ -298,12 +298,50 @@ def parse_result(frame: Frame) -> list[Result]:
 
 
 # ---------------------------------------------------------------------------------------------- free
-def free_frame(sessions: Iterable[tuple[str | int, int]], origin: str = "") -> Frame:
+def free_frame(
+    sessions: Iterable[tuple[str | int, int]], origin: str = "", keep: Mapping[str, Keep] | None = None
+) -> Frame:
+    """`keep` (prefix cache): for some of the sessions, what the stages register before freeing them."""
     ss = []
     for sid, epoch in sessions:
         check_session(sid, "free")
         ss.append({"session": sid, "epoch": int(epoch)})
-    return Frame.make("free", sessions=ss, origin=origin)
+    extra = {"keep": [k.to_wire(sid) for sid, k in keep.items()]} if keep else {}
+    return Frame.make("free", sessions=ss, origin=origin, **extra)
+
+
+@dataclass(frozen=True)
+class Keep:
+    """A finished session's generated part, for the prefix cache: the keys of the block boundaries in
+    (start, start + n] and of the point start + n (the tokens the stages hold of it), registered before
+    the session is freed."""
+
+    start: int
+    n: int
+    blocks: tuple[str, ...]
+    snap: str
+
+    def to_wire(self, session) -> dict[str, Any]:
+        return {"session": session, "start": self.start, "n": self.n, "blocks": list(self.blocks), "snap": self.snap}
+
+
+def parse_free_keep(frame: Frame) -> dict[str, Keep]:
+    """session id (as a string) -> Keep, from a `free` frame's optional `keep` list."""
+    ks = expect(frame, "free").get("keep", [])
+    if not isinstance(ks, list):
+        raise ProtocolError("free frame: keep must be a list")
+    out = {}
+    for k in ks:
+        if not isinstance(k, dict):
+            raise ProtocolError("free frame: each keep entry is a map")
+        check_session(k.get("session"), "free: keep")
+        start, n, blocks, snap = k.get("start"), k.get("n"), k.get("blocks"), k.get("snap")
+        if not (is_int(start) and start >= 0 and is_int(n) and n > 0):
+            raise ProtocolError("free frame: keep needs start >= 0 and n > 0")
+        if not isinstance(blocks, list) or len(blocks) > n or not all(_is_key(b) for b in blocks) or not _is_key(snap):
+            raise ProtocolError("free frame: keep needs blocks (at most n keys) and a snap key")
+        out[str(k["session"])] = Keep(start, n, tuple(blocks), snap)
+    return out
 
 
 def parse_free(frame: Frame) -> tuple[list[tuple[str | int, int]], str]:
