@@ -64,8 +64,7 @@ from .links import LinkDown, PeerLink
 from .metrics import memory_usage
 from .monitor import Monitor
 from .options import NodeOptions
-from .prefix_match import PrefixMatcher
-from .prefix_setup import make_caches, model_id, reports
+from .prefix_setup import deliver, make_caches, make_matcher, prefix_status, reports
 from .routes import RouteTable
 from .serving import ClientRequests, ClientService
 from .takeover import fetch_lacking_files
@@ -227,12 +226,7 @@ class NodeDaemon:
                 stage_cost=self.worker.cost,
             )
             if self.runner.prefix is not None:  # the entry's side of the prefix cache
-                self.entry.prefixes = PrefixMatcher(
-                    [s.id for s in self.topo.active],
-                    block=o.prefix_block,
-                    snapshot_every=o.snapshot_every,
-                    model=model_id(self.cfg, self.topo.model.formats),
-                )
+                self.entry.prefixes = make_matcher(self.topo, o, self.cfg)
             self.coordinator = Coordinator(
                 self.entry,
                 slot_id=slot_id,
@@ -508,9 +502,8 @@ class NodeDaemon:
             self.worker.put(Retain(keep))
 
     async def _on_prefix_report(self, conn, f, reqs) -> None:
-        r = parse_prefix_report(f)
-        if self.entry is not None and self.entry.prefixes is not None:
-            self.entry.prefixes.on_report(r.slot, r.holder, r.added, r.evicted, reset=r.reset, stateless=r.stateless)
+        if self.entry is not None:
+            deliver(self.entry.prefixes, parse_prefix_report(f))
 
     async def _on_ping(self, conn, f, reqs) -> None:
         await conn.send(pong_frame(f, **self.public_stats()))
@@ -627,8 +620,7 @@ class NodeDaemon:
         """What this stage's prefix cache added and evicted, to the entry (directly when it is here)."""
         for r in reports(self.slot_id, self.node_id, added, evicted, reset=reset, stateless=self.runner.prefix.stateless):
             if self.entry is not None:
-                if self.entry.prefixes is not None:
-                    self.entry.prefixes.on_report(r.slot, r.holder, r.added, r.evicted, reset=r.reset, stateless=r.stateless)
+                deliver(self.entry.prefixes, r)
             else:
                 await self._to_entry(prefix_report_frame(r))
 
@@ -681,12 +673,7 @@ class NodeDaemon:
             st["entry"] = list(self.routes.address(self.topo.active[0].id))
         except ConnectionError:
             st["entry"] = None
-        if self.runner is not None and self.runner.prefix is not None:  # this stage's prefix cache
-            st["prefix"] = self.runner.prefix.status()
-            st["memory"]["prefix_cache"] = self.runner.prefix.device_bytes
-            st["memory"]["host_cache"] = self.runner.prefix.host_bytes
-        if self.entry is not None and self.entry.prefixes is not None:  # hits and misses of the prompts
-            st["prefix_entry"] = self.entry.prefixes.status()
+        prefix_status(st, self.runner, self.entry)  # the prefix cache: this stage's, the entry's hits
         if self.runner is not None:  # speculative decoding: passes by width, rollbacks (stage_runner.py)
             st["spec"] = self.runner.spec_stats() | (self.entry.spec_stats() if self.entry is not None else {})
         if self.entry is not None:

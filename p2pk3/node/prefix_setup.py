@@ -12,6 +12,8 @@ from p2pk3.model.cache_sizes import kda_session_bytes, mla_blocks
 from p2pk3.model.prefix_cache import PrefixCache, stage_namespace
 from p2pk3.transport.messages.ring import MAX_REPORT, PrefixReport
 
+from .prefix_match import PrefixMatcher
+
 GB = 1 << 30
 CPU_DEFAULT_SHARE, CPU_DEFAULT_CAP = 0.10, 4 * GB  # of the host's available memory, on a CPU-only host
 CUDA_DEFAULT_SHARE = 0.25  # of the card's free memory once the weights are loaded
@@ -88,3 +90,30 @@ def reports(slot: str, holder: str, added, evicted, *, reset: bool = False, stat
         out.append(PrefixReport(slot, holder, a[:MAX_REPORT], e[:MAX_REPORT], False, stateless))
         a, e = a[MAX_REPORT:], e[MAX_REPORT:]
     return out
+
+
+def make_matcher(topo, opts, cfg) -> PrefixMatcher:
+    """The entry's side: the route is the topology's active slots; keys rooted in the model and B."""
+    return PrefixMatcher(
+        [s.id for s in topo.active],
+        block=opts.prefix_block,
+        snapshot_every=opts.snapshot_every,
+        model=model_id(cfg, topo.model.formats),
+    )
+
+
+def deliver(matcher: PrefixMatcher | None, r: PrefixReport) -> None:
+    """A report into the entry's matcher (none: this entry does not use the cache)."""
+    if matcher is not None:
+        matcher.on_report(r.slot, r.holder, r.added, r.evicted, reset=r.reset, stateless=r.stateless)
+
+
+def prefix_status(st: dict, runner, entry) -> None:
+    """The status fields of the prefix cache: this stage's (`prefix`, its bytes in `memory`) and the
+    entry's hits and misses (`prefix_entry`)."""
+    if runner is not None and runner.prefix is not None:
+        st["prefix"] = runner.prefix.status()
+        st["memory"]["prefix_cache"] = runner.prefix.device_bytes
+        st["memory"]["host_cache"] = runner.prefix.host_bytes
+    if entry is not None and entry.prefixes is not None:
+        st["prefix_entry"] = entry.prefixes.status()
