@@ -143,6 +143,7 @@ class StageRunner:
             self.prefix.forget(session)
         return True
 
+    @torch.inference_mode()
     def keep(self, session: str, k) -> None:
         """Before a finished session is freed: register its generated part in the prefix cache (a `Keep`).
         Rejected drafts of its last verify pass are rolled back first; a session that holds other than

@@ -173,7 +173,10 @@ class StageWorker:
                 if isinstance(head, Free):
                     for sid, epoch in head.sessions:
                         if str(sid) in head.keep and self.runner.epochs.get(str(sid)) == epoch:
-                            self.runner.keep(str(sid), head.keep[str(sid)])
+                            try:
+                                self.runner.keep(str(sid), head.keep[str(sid)])
+                            except Exception:  # noqa: BLE001 - a reply not kept costs hits, never the worker
+                                log.exception("slot %s: keeping session %s in the prefix cache failed", self.slot, sid)
                         self.runner.free(str(sid), epoch)
                     await self._report_prefix()
                     await self._outbox.put(("free", head))
