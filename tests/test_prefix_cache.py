@@ -346,3 +346,19 @@ def topo_k3():
     from p2pk3.topology import Topology
 
     return Topology.load(Path(__file__).parent.parent / "topology" / "k3-80x5090.toml")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU: the host tier's pinned, asynchronous copies")
+def test_the_host_tier_on_a_gpu_copies_through_pinned_memory(ckpt):
+    stages = Pipeline.load(ckpt, 2, device="cuda").stages
+    plain = Chain(stages)
+    c = Chain(stages, budget=4 * B * stages[0].cfg.mla_cache_width * 4, host=1 << 20)
+    system, turns = prompts(8)
+    for t in turns:
+        c.score(t)
+    hosted = [n for r in c.runners for n in r.prefix.nodes.values() if n.tier == "host"]
+    assert hosted and all(t.is_pinned() for n in hosted for t in (n.host_block or {}).values())
+    p, got = c.score(turns[0] + [7, 8, 9])
+    _, want = plain.score(turns[0] + [7, 8, 9])
+    assert p >= len(system) and rel(got, want[p:]) < 1e-5
+    assert sum(r.prefix.stats.from_host for r in c.runners) > 0
