@@ -144,8 +144,10 @@ def test_chat_stream_equals_full_equals_cli(client, tok):
     assert finish == full.choices[0].finish_reason == "stop"
     # chunk format: role first, usage last (choices empty), every chunk an OpenAI chunk
     assert chunks[0].choices[0].delta.role == "assistant" and all(c.object == "chat.completion.chunk" for c in chunks)
-    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == full.usage.total_tokens
     n_prompt = len(tok.apply_chat_template(chat(QUESTION), add_generation_prompt=True))
+    # the same prompt a second time: all of it but its last token came from the stages' prefix cache
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == n_prompt - 1
     assert full.usage.prompt_tokens == n_prompt
     assert full.usage.total_tokens == n_prompt + full.usage.completion_tokens
     cli = subprocess.run(

@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 import time
@@ -173,6 +174,10 @@ def test_piped_stdin_one_message_per_line(ring, tok):
     assert r.stdout == first + "\n" + second + "\n"  # each answer on its line, nothing else on stdout
     turn2 = tok.apply_chat_template(history, add_generation_prompt=True)
     assert f"prompt {len(turn2)} tokens" in r.stderr  # the whole conversation was rendered for the second turn
+    # /stats: the second turn started from the stages' prefix cache: at least all of the first prompt but its
+    # last token (after the first reply too where its rendering repeats the generated tokens exactly)
+    cached = int(re.search(rf"prompt {len(turn2)} tokens \((\d+) cached\)", r.stderr).group(1))
+    assert len(tok.apply_chat_template(history[:1], add_generation_prompt=True)) - 1 <= cached < len(turn2)
     footers = [ln for ln in r.stderr.splitlines() if ln.startswith("[") and "time to first token" in ln]
     assert len(footers) == 2 and "error: /temp takes a number" in r.stderr
     wait_idle(ring)

@@ -80,6 +80,15 @@ def test_rates_come_from_the_work_between_two_polls(ring):
         assert 0 < r["busy"] <= 1, r  # compute time / wall time over the last 5 s
     assert snap["totals"]["tokens_per_s"] == max(r["tokens_per_s"] for r in snap["slots"])
     assert snap["totals"]["finished"] >= 1
+    # the prefix cache: each slot's hit rate and memory (the request above started cold: 0 %), the entry's
+    # token hit rate in the title
+    for r in snap["slots"]:
+        assert r["prefix_hit_rate"] == 0.0 and r["prefix_bytes"]["device"] > 0 and r["prefix_bytes"]["host"] == 0, r
+    assert snap["totals"]["prefix_hit_rate"] is not None
+    console = Console(width=240, record=True)
+    console.print(render(snap))
+    text = console.export_text()
+    assert "prefix hits" in text and " MiB" in text and "hit" in text
 
 
 def test_a_stopped_node_turns_dead_the_others_stay_up(ring):

@@ -103,6 +103,31 @@ def test_result_free_error_ping():
     assert M.pong_frame(p, load=0.5).header == {"kind": "pong", "id": 3, "t_ns": 123, "load": 0.5}
 
 
+def test_prefix_cache_fields_and_frames():
+    seg = M.Segment("a", 1, 64, 8, prefix="k" * 32, blocks=("b1",), snap="s1")
+    fr = M.forward_frame([seg], np.zeros((8, 4), np.float32), layer=0)
+    assert M.parse_forward(_roundtrip(fr)).segments == [seg]
+    assert M.Segment.from_wire(M.Segment("a", 0, 0, 2).to_wire()).prefix is None  # absent on the wire
+    for bad, msg in (
+        ({"prefix": "k", "start_pos": 0}, "start_pos > 0"),
+        ({"prefix": "x" * 65}, "prefix must be a block key"),
+        ({"blocks": ["a"] * 9}, "at most n_tokens block keys"),
+        ({"snap": 3}, "snap must be a block key"),
+    ):
+        with pytest.raises(ProtocolError, match=msg):
+            M.Segment.from_wire({**seg.to_wire(), **bad})
+    r = M.PrefixReport("s1", "node-a", [("k1", 64), ("k2", 70)], ["k0"], reset=True)
+    assert M.parse_prefix_report(_roundtrip(M.prefix_report_frame(r))) == r
+    with pytest.raises(ProtocolError, match=r"\[key, position > 0\]"):
+        M.parse_prefix_report(Frame.make("prefix_report", slot="s", holder="h", added=[["k", 0]]))
+    keep = {"a": M.Keep(10, 5, ("b",), "s")}
+    fr = _roundtrip(M.free_frame([("a", 0)], origin="n1", keep=keep))
+    assert M.parse_free(fr) == ([("a", 0)], "n1") and M.parse_free_keep(fr) == keep
+    assert M.parse_free_keep(M.free_frame([("a", 0)])) == {}
+    with pytest.raises(ProtocolError, match="start >= 0 and n > 0"):
+        M.parse_free_keep(Frame.make("free", sessions=[], keep=[{"session": "a", "start": 1, "n": 0}]))
+
+
 def test_client_frames():
     req = M.GenerateRequest(5, [1, 2, 3], SamplingParams(max_tokens=4), logits=False, incremental=True)
     got = M.GenerateRequest.parse(_roundtrip(req.frame()), vocab_size=10)

@@ -59,6 +59,29 @@ def test_counters_move_with_a_request(ring):
     assert after["p2pk3_sessions"] == 0 and after["p2pk3_queue_depth"] == 0
 
 
+@pytest.mark.slow
+def test_prefix_cache_hits_misses_and_bytes_per_tier(ring):
+    before = scrape(ring.metrics_port)
+    prompt = [9, 8, 7, 6, 5, 4, 3]
+
+    async def go():
+        c = await ring.client()
+        try:
+            return [await c.generate(prompt, SamplingParams(max_tokens=3)) for _ in range(2)]
+        finally:
+            c.close()
+
+    first, second = asyncio.run(go())
+    after = scrape(ring.metrics_port)
+    assert first.stats["cached_tokens"] == 0 and second.stats["cached_tokens"] == len(prompt) - 1
+    hit = after["p2pk3_prefix_hit_tokens_total"] - before.get("p2pk3_prefix_hit_tokens_total", 0)
+    miss = after["p2pk3_prefix_miss_tokens_total"] - before.get("p2pk3_prefix_miss_tokens_total", 0)
+    assert (hit, miss) == (len(prompt) - 1, len(prompt) + 1)
+    assert after["p2pk3_prefix_cache_bytes{tier=device}"] > 0 and after["p2pk3_prefix_cache_bytes{tier=host}"] == 0
+    assert after["p2pk3_prefix_cache_budget_bytes{tier=device}"] > 0
+    assert after["p2pk3_prefix_evictions_total"] == 0 and after["p2pk3_prefix_stage_hits_total"] >= 1
+
+
 def test_memory_usage_on_cpu():
     m = memory_usage("cpu")
     assert m["kind"] == "cpu" and 0 < m["used"] < m["total"]

@@ -53,11 +53,21 @@ class Generation:
     def prompt_tokens(self) -> int:
         return len(self.prompt_ids)
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the ring took from its prefix cache (the entry's stats; 0 when the request was
+        cancelled before its end, e.g. by a stop sequence)."""
+        t = self._task
+        if t is None or not t.done() or t.cancelled() or t.exception() is not None:
+            return 0
+        return int((getattr(t.result(), "stats", None) or {}).get("cached_tokens") or 0)
+
     def usage(self) -> dict:
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
     async def __aenter__(self) -> "Generation":

@@ -33,6 +33,15 @@ def _memory(m: dict | None) -> str:
     return f"{m['used'] / gib:.2f}{total} GiB"
 
 
+def _cache(b: dict | None) -> str:
+    """The prefix cache's bytes: device, and + host when the host tier holds some."""
+    if not b or b.get("device") is None:
+        return "-"
+    mib = 1 << 20
+    host = f"+{b['host'] / mib:.1f}h" if b.get("host") else ""
+    return f"{b['device'] / mib:.1f}{host} MiB"
+
+
 def render(snap: dict):
     """The rich table of one snapshot."""
     from rich import box
@@ -47,6 +56,7 @@ def render(snap: dict):
         f"{snap['cluster']}: {tot['serving']}/{tot['active']} slots serving{spares} · "
         f"{_num(tot['tokens_per_s'])} tokens/s · "
         f"{_num(tot['live_sessions'], '{}')} live sessions{queued} · entry {snap['entry'] or 'none'}"
+        + (f" · prefix hits {100 * tot['prefix_hit_rate']:.0f}%" if tot.get("prefix_hit_rate") is not None else "")
     )
     notes = [f"{r['slot']}: {r['reason']}" for r in t if r["state"] not in ("up", "standby")]
     table = Table(
@@ -70,6 +80,8 @@ def render(snap: dict):
         ("busy", True),
         ("hop ms", True),
         ("memory", True),
+        ("hit", True),
+        ("cache", True),
     ):
         table.add_column(
             col, justify="right" if right else "left", no_wrap=True, overflow="ellipsis", min_width=min(len(col), 6)
@@ -90,6 +102,8 @@ def render(snap: dict):
             _num(100 * r["busy"] if r.get("busy") is not None else None, "{:.0f}%"),
             _num(r["hop_ms"], "{:.2f}"),
             _memory(r["memory"]),
+            _num(100 * r["prefix_hit_rate"] if r.get("prefix_hit_rate") is not None else None, "{:.0f}%"),
+            _cache(r.get("prefix_bytes")),
         )
     return table
 

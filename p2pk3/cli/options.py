@@ -29,6 +29,8 @@ __all__ = [
     "speculation_options",
     "queue_options",
     "queue_args",
+    "prefix_cache_options",
+    "prefix_cache_args",
     "TOPOLOGY_HELP",
 ]
 
@@ -194,3 +196,39 @@ def queue_args(max_queue: int | None, queue_timeout: float | None) -> list[str]:
         if v is not None
         for a in (flag, f"{v:g}" if isinstance(v, float) else str(v))
     ]
+# ------------------------------------------------------------------------------------------ prefix cache
+_PREFIX_OPTIONS = (
+    ("--prefix-cache-gb", "prefix_cache_gb", click.FloatRange(min=0), None,
+     "prefix cache on the device, GiB (0: off)  [default: a quarter of the GPU's free memory; on a CPU a tenth "
+     "of the available RAM, at most 4]"),
+    ("--host-cache-gb", "host_cache_gb", click.FloatRange(min=0), None,
+     "the prefix cache's host-RAM tier, GiB (0: none)  [default: beside a GPU a quarter of the available RAM, "
+     "at most 64; on a CPU none]"),
+    ("--prefix-block", "prefix_block", click.IntRange(min=1), 64, "tokens per prefix-cache block (the MLA page)"),
+    ("--snapshot-every", "snapshot_every", click.IntRange(min=1), 16,
+     "a KDA state snapshot every this many blocks of a prompt (and at its end and last boundary)"),
+)
+
+
+def prefix_cache_options(f):
+    """--prefix-cache-gb, --host-cache-gb, --prefix-block, --snapshot-every -> one `prefix_cache` dict of
+    NodeOptions fields (the unset ones left out)."""
+    for flag, dest, kind, default, helptext in reversed(_PREFIX_OPTIONS):
+        f = click.option(flag, dest, type=kind, default=None, help=helptext + (f"  [default: {default}]" if default else ""))(f)
+    return _overrides_dict(f, tuple(d for _, d, *_ in _PREFIX_OPTIONS), "prefix_cache")
+
+
+def _overrides_dict(f, names: tuple[str, ...], into: str):
+    @functools.wraps(f)
+    def wrapper(*args, **kw):
+        given = {n: kw.pop(n, None) for n in names}
+        kw[into] = {n: v for n, v in given.items() if v is not None}
+        return f(*args, **kw)
+
+    return wrapper
+
+
+def prefix_cache_args(prefix_cache: dict) -> list[str]:
+    """The prefix-cache options as `p2pk3 node` arguments (for the daemons `p2pk3 local` starts)."""
+    flags = {d: flag for flag, d, *_ in _PREFIX_OPTIONS}
+    return [a for d, v in prefix_cache.items() for a in (flags[d], f"{v:g}" if isinstance(v, float) else str(v))]

@@ -261,6 +261,13 @@ _PROFILE = "the profile's {}, rtx5090: {}"
     default=None,
     help="chunks of one prompt in flight (default: as the daemon: one per stage; 1: one at a time)",
 )
+@click.option(
+    "--cached-prefix",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="prompt tokens the stages' prefix caches hold already (a hit: only the rest is computed)",
+)
 @click.option("--plot", default=None, type=click.Path(dir_okay=False), help="PNG of throughput vs streams")
 @click.option("--json", "as_json", is_flag=True, help="print the figures as JSON")
 def simulate_cmd(
@@ -278,6 +285,7 @@ def simulate_cmd(
     context,
     micro_batches,
     prefill_depth,
+    cached_prefix,
     plot,
     as_json,
 ):
@@ -317,6 +325,7 @@ def simulate_cmd(
         context=context,
         micro_batches=micro_batches,
         prefill_depth=prefill_depth,
+        cached_prefix=cached_prefix,
     )
     if plot:
         report.plot(results, plot, title=f"{Path(topology_path).name}: {hw.name[:60]}")

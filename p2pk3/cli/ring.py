@@ -8,7 +8,15 @@ import click
 
 from .group import main
 from .common import DTYPES, MODEL_HELP, UserError, build_prompt, model_dir, plural, run_async, topology_model_dir
-from .options import queue_args, queue_options, sampling_options, speculation_options, topology_option
+from .options import (
+    prefix_cache_args,
+    prefix_cache_options,
+    queue_args,
+    queue_options,
+    sampling_options,
+    speculation_options,
+    topology_option,
+)
 
 
 class _Schedule(click.ParamType):
@@ -124,6 +132,7 @@ def _stop_on_signals(stop):
     help="compiled decode step (CUDA graphs on a GPU); default: on for CUDA, off on the CPU",
 )
 @queue_options()
+@prefix_cache_options
 @click.option("-v", "--verbose", count=True)
 def node(
     topology_path,
@@ -148,6 +157,7 @@ def node(
     prefill_depth,
     max_queue,
     queue_timeout,
+    prefix_cache,
 ):
     """Run one node daemon of the ring."""
     import asyncio
@@ -205,6 +215,7 @@ def node(
         prefill_depth=prefill_depth,
         max_queue=max_queue,
         **({"queue_timeout_s": queue_timeout} if queue_timeout is not None else {}),
+        **prefix_cache,
     )
     mdir = topology_model_dir(topo)
 
@@ -303,6 +314,7 @@ def node(
     help="chunks of one prompt in flight at once (auto: one per node; 1: one at a time)",
 )
 @queue_options()
+@prefix_cache_options
 def local(
     model,
     nodes,
@@ -318,6 +330,7 @@ def local(
     prefill_depth,
     max_queue,
     queue_timeout,
+    prefix_cache,
 ):
     """Start N daemons (and S standbys) on loopback as one ring; Ctrl-C, SIGTERM or SIGHUP stops them.
     A node that goes down, the standby that takes its slot over, and the ring's recovery are said here.
@@ -361,7 +374,9 @@ def local(
         nodes,
         dtype=dtype,
         standby=standby,
-        extra_args=_schedule_args(micro_batches, prefill_depth) + queue_args(max_queue, queue_timeout),
+        extra_args=_schedule_args(micro_batches, prefill_depth)
+        + queue_args(max_queue, queue_timeout)
+        + prefix_cache_args(prefix_cache),
     )
     spares = f" and {plural(standby, 'standby', 'standbys')}" if standby else ""
     click.echo(f"starting {plural(nodes, 'daemon')}{spares} for {mdir} ...")

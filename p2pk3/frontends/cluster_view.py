@@ -146,6 +146,8 @@ class ClusterView:
             "failed": entry.get("failed") if entry else None,
             "paused": entry.get("paused") if entry else None,
             "unavailable": entry.get("unavailable") if entry else None,
+            # prompt tokens started from the prefix cache / all prompt tokens (the entry's count)
+            "prefix_hit_rate": (entry.get("prefix_entry") or {}).get("hit_rate") if entry else None,
         }
         queue = entry.get("admission") if entry else None
         return {
@@ -176,6 +178,8 @@ class ClusterView:
             "busy": None,
             "hop_ms": None,
             "memory": None,
+            "prefix_hit_rate": None,  # sessions this stage started at a cached prefix / all it opened
+            "prefix_bytes": None,  # {"device": ..., "host": ...} its prefix cache holds
             "errors": None,
             "uptime_s": None,
             "reason": "no address known",
@@ -207,6 +211,12 @@ class ClusterView:
             busy=st.get("busy"),
             hop_ms=p.rtt_ms,
             memory=st.get("memory"),
+            prefix_hit_rate=(st.get("prefix") or {}).get("hit_rate"),
+            prefix_bytes=(
+                {"device": st["prefix"].get("device_bytes"), "host": st["prefix"].get("host_bytes")}
+                if isinstance(st.get("prefix"), dict)
+                else None
+            ),
             errors=st.get("errors"),
             uptime_s=st.get("uptime_s"),
             reason="answering",

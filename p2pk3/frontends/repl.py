@@ -147,7 +147,9 @@ def stats_text(conv: Conversation, status: dict | None = None) -> str:
         lines.append(
             "last answer: "
             + footer(s, s.get("generated_tokens", 0))[1:-1]
-            + f" · prompt {s.get('prompt_tokens', '?')} tokens · total {s.get('total_s') or 0:.2f} s"
+            + f" · prompt {s.get('prompt_tokens', '?')} tokens"
+            + (f" ({s['cached_tokens']} cached)" if s.get("cached_tokens") is not None else "")
+            + f" · total {s.get('total_s') or 0:.2f} s"
         )
     if status:
         lines.append(

@@ -90,10 +90,16 @@ class StageCache:
         block_size: int = DEFAULT_BLOCK_SIZE,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        prefix_blocks: int = 0,
     ):
         self.max_sessions = max_sessions
         self.block_size = block_size
-        self.num_blocks = mla_blocks(max_tokens, max_sessions, block_size) if mla_layers else 0
+        # the sessions' blocks, plus `prefix_blocks` more for the prefix cache (p2pk3/model/prefix_cache.py):
+        # one pool, so a cached block is shared by reference (`refs`) with the sessions that read it
+        self.session_blocks = mla_blocks(max_tokens, max_sessions, block_size) if mla_layers else 0
+        self.num_blocks = self.session_blocks + (prefix_blocks if mla_layers else 0)
+        self.refs = [0] * self.num_blocks  # holders of each block: sessions and prefix-cache entries
+        self.reclaim = None  # callable(n) -> None: the prefix cache gives back up to n blocks (set by it)
         K, sd = kda_head_dim, KDA_STATE_DTYPE
         # KDA: state pool [S, H, K, V] and the last (conv_size - 1) pre-conv inputs of q, k, v (kda_session_bytes)
         self.kda_state = {i: torch.zeros(max_sessions, kda_heads, K, K, dtype=sd, device=device) for i in kda_layers}
@@ -101,17 +107,65 @@ class StageCache:
             i: torch.zeros(max_sessions, conv_channels, conv_size - 1, dtype=sd, device=device) for i in kda_layers
         }
         # MLA: one paged pool per layer, all indexed by the same per-session block list.
+        # (the prefix cache's blocks are zeroed when first taken, so that a budget not yet used costs no memory)
         self.mla_kv = {
-            i: torch.zeros(self.num_blocks, block_size, mla_width, dtype=dtype, device=device) for i in mla_layers
+            i: torch.empty(self.num_blocks, block_size, mla_width, dtype=dtype, device=device) for i in mla_layers
         }
+        for t in self.mla_kv.values():
+            t[: self.session_blocks].zero_()
+        self._fresh = bytearray(self.num_blocks - self.session_blocks)  # 1: a prefix block never zeroed yet
+        self._fresh[:] = b"\x01" * len(self._fresh)
         self.sessions: dict[str, SessionCache] = {}
         self._free_rows = list(range(max_sessions - 1, -1, -1))
         self._free_blocks = list(range(self.num_blocks - 1, -1, -1))
 
     # ------------------------------------------------------------------ bookkeeping
     def bytes(self) -> int:
+        """The sessions' part (what the planner sizes); the prefix cache's blocks are `prefix_pool_bytes`."""
         ts = [*self.kda_state.values(), *self.conv_state.values(), *self.mla_kv.values()]
-        return sum(t.numel() * t.element_size() for t in ts)
+        return sum(t.numel() * t.element_size() for t in ts) - self.prefix_pool_bytes()
+
+    def block_bytes(self) -> int:
+        """One block of every MLA layer of this stage."""
+        return sum(t[0].numel() * t.element_size() for t in self.mla_kv.values())
+
+    def prefix_pool_bytes(self) -> int:
+        return (self.num_blocks - self.session_blocks) * self.block_bytes()
+
+    # ------------------------------------------------------------------ blocks (shared by reference)
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free_blocks)
+
+    def take_block(self) -> int:
+        """A free block, held once (CacheFull when none is free even after the prefix cache gave some back)."""
+        if not self._free_blocks and self.reclaim is not None:
+            self.reclaim(1)
+        if not self._free_blocks:
+            raise CacheFull("busy: no free MLA cache block")
+        return self._pop_block()
+
+    def _pop_block(self) -> int:
+        b = self._free_blocks.pop()
+        self.refs[b] = 1
+        if b >= self.session_blocks and self._fresh[b - self.session_blocks]:
+            self._fresh[b - self.session_blocks] = 0
+            for t in self.mla_kv.values():
+                t[b].zero_()
+        return b
+
+    def share(self, block: int) -> None:
+        """One more holder of `block` (it is read-only while it has more than one)."""
+        self.refs[block] += 1
+
+    def unref(self, block: int) -> None:
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            self._free_blocks.append(block)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        for t in self.mla_kv.values():
+            t[dst].copy_(t[src])
 
     def has(self, session: str) -> bool:
         return session in self.sessions
@@ -134,7 +188,8 @@ class StageCache:
         if sc is None:
             raise SessionError(f"unknown session {session!r}")
         self._free_rows.append(sc.row)
-        self._free_blocks.extend(reversed(sc.blocks))
+        for b in reversed(sc.blocks):
+            self.unref(b)
 
     def get(self, session: str) -> SessionCache:
         try:
@@ -153,13 +208,15 @@ class StageCache:
                 )
             if self.mla_kv:
                 need += max(0, -(-(sc.length + sp.length) // self.block_size) - len(sc.blocks))
+        if need > len(self._free_blocks) and self.reclaim is not None:
+            self.reclaim(need - len(self._free_blocks))
         if need > len(self._free_blocks):
             raise CacheFull(f"busy: MLA cache needs {need} more blocks, {len(self._free_blocks)} free")
         if self.mla_kv:
             for sp in spans:
                 sc = self.sessions[sp.session]
                 while len(sc.blocks) * self.block_size < sc.length + sp.length:
-                    sc.blocks.append(self._free_blocks.pop())
+                    sc.blocks.append(self._pop_block())
         for sp in spans:  # a new span settles the previous verify pass: keep a checkpoint only for this one
             self.sessions[sp.session].ckpt = Checkpoint(sp.start, sp.length) if sp.verify else None
 
@@ -187,7 +244,7 @@ class StageCache:
         sc.length = length
         sc.ckpt = None
         while self.mla_kv and len(sc.blocks) * self.block_size >= length + self.block_size:
-            self._free_blocks.append(sc.blocks.pop())
+            self.unref(sc.blocks.pop())
 
     def checkpoint_bytes(self) -> int:
         """Memory held by rollback checkpoints now (all sessions)."""

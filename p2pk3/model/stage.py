@@ -62,6 +62,13 @@ class StagePlan:
         return self.parts.get(i, ("attn", "mlp"))
 
 
+def cache_layers(cfg: K3Config, plan: StagePlan) -> tuple[list[int], list[int]]:
+    """(KDA layers, MLA layers) whose attention a stage of `plan` runs: the ones with a cache there."""
+    kda = [i for i in plan.layers if "attn" in plan.parts_of(i) and cfg.layer_types[i] == "kda"]
+    mla = [i for i in plan.layers if "attn" in plan.parts_of(i) and cfg.layer_types[i] == "mla"]
+    return kda, mla
+
+
 class K3Stage(nn.Module):
     """A contiguous piece of the model. `forward` runs one packed batch through it.
 
@@ -97,10 +104,11 @@ class K3Stage(nn.Module):
                 self.lm_head = linear(cfg.hidden_size, cfg.vocab_size)
 
     # ---------------------------------------------------------------- caches
-    def new_cache(self, max_sessions: int, max_tokens: int, block_size: int = 64, device=None) -> StageCache:
+    def new_cache(
+        self, max_sessions: int, max_tokens: int, block_size: int = 64, device=None, prefix_blocks: int = 0
+    ) -> StageCache:
         c = self.cfg
-        kda = [i for i in self.plan.layers if "attn" in self.plan.parts_of(i) and c.layer_types[i] == "kda"]
-        mla = [i for i in self.plan.layers if "attn" in self.plan.parts_of(i) and c.layer_types[i] == "mla"]
+        kda, mla = cache_layers(c, self.plan)
         return StageCache(
             kda_layers=kda,
             mla_layers=mla,
@@ -114,7 +122,11 @@ class K3Stage(nn.Module):
             block_size=block_size,
             dtype=self.act_dtype,
             device=device or self.device,
+            prefix_blocks=prefix_blocks,
         )
+
+    def cache_layers(self) -> tuple[list[int], list[int]]:
+        return cache_layers(self.cfg, self.plan)
 
     act_dtype: torch.dtype = torch.float32  # set by load_weights
 

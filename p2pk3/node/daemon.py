@@ -42,11 +42,14 @@ from p2pk3.transport.messages import (
     free_frame,
     parse_claim,
     parse_free,
+    parse_free_keep,
+    parse_prefix_report,
     parse_result,
     parse_retain,
     parse_route,
     parse_takeover,
     pong_frame,
+    prefix_report_frame,
     result_frame,
     route_frame,
     status_frame,
@@ -63,6 +66,7 @@ from .links import LinkDown, PeerLink
 from .metrics import memory_usage
 from .monitor import Monitor
 from .options import NodeOptions
+from .prefix_setup import deliver, make_caches, make_matcher, prefix_status, reports
 from .routes import RouteTable
 from .serving import ClientRequests, ClientService
 from .spares import POOL_SLOT, SparePool, handle_join, join_pool, with_pool_slot
@@ -154,6 +158,7 @@ class NodeDaemon:
             "route": self._on_route_frame,
             "takeover": self._on_takeover,
             "retain": self._on_retain,
+            "prefix_report": self._on_prefix_report,
             "file_list": self._on_file_list,
             "file_get": self._on_file_get,
             "join": lambda conn, f, reqs: handle_join(self, conn, f),  # a pool spare (node/spares.py)
@@ -214,7 +219,7 @@ class NodeDaemon:
             None,
             o.compile,
         )  # formats: p2pk3.quant
-        self.runner = StageRunner(stage, stage.new_cache(o.max_sessions, o.cache_tokens))
+        self.runner = StageRunner(stage, *make_caches(stage, o, self.cfg, self.topo.model.formats))
         self.worker = StageWorker(
             self.runner,
             self._executor,
@@ -224,6 +229,7 @@ class NodeDaemon:
             report=self._report,
             pass_free=self._pass_free,
             first=plan.embed,
+            report_prefix=self._report_prefix,
         )
         if plan.embed:  # requests are taken from now on; they run once the worker starts
             m, d = o.schedule(len(self.topo.active))
@@ -237,6 +243,8 @@ class NodeDaemon:
                 prefill_depth=d,
                 stage_cost=self.worker.cost,
             )
+            if self.runner.prefix is not None:  # the entry's side of the prefix cache
+                self.entry.prefixes = make_matcher(self.topo, o, self.cfg)
             self.coordinator = Coordinator(
                 self.entry,
                 slot_id=slot_id,
@@ -261,6 +269,8 @@ class NodeDaemon:
     def _start_serving(self) -> None:
         self.role = "entry" if self.entry is not None else "stage"
         self.worker.start()
+        if self.runner.prefix is not None:  # a new holder's cache is empty: the entry forgets what it knew
+            asyncio.get_running_loop().create_task(self._report_prefix([], [], reset=True))
         if self.entry is not None:
             self._start_monitor()
             self.coordinator.start(self.monitor)
@@ -509,7 +519,7 @@ class NodeDaemon:
     async def _on_free(self, conn, f, reqs) -> None:
         self._need_stage("free")
         sessions, origin = parse_free(f)
-        self.worker.put(Free([(str(s), e) for s, e in sessions], origin))
+        self.worker.put(Free([(str(s), e) for s, e in sessions], origin, parse_free_keep(f)))
 
     async def _on_retain(self, conn, f, reqs) -> None:
         self.retain(parse_retain(f))
@@ -517,6 +527,10 @@ class NodeDaemon:
     def retain(self, keep: dict[str, int]) -> None:
         if self.worker is not None:
             self.worker.put(Retain(keep))
+
+    async def _on_prefix_report(self, conn, f, reqs) -> None:
+        if self.entry is not None:
+            deliver(self.entry.prefixes, parse_prefix_report(f))
 
     async def _on_ping(self, conn, f, reqs) -> None:
         await conn.send(pong_frame(f, **self.public_stats()))
@@ -629,6 +643,14 @@ class NodeDaemon:
             return
         await self._to_entry(result_frame(results))
 
+    async def _report_prefix(self, added, evicted, reset: bool = False) -> None:
+        """What this stage's prefix cache added and evicted, to the entry (directly when it is here)."""
+        for r in reports(self.slot_id, self.node_id, added, evicted, reset=reset, stateless=self.runner.prefix.stateless):
+            if self.entry is not None:
+                deliver(self.entry.prefixes, r)
+            else:
+                await self._to_entry(prefix_report_frame(r))
+
     async def _to_entry(self, frame: Frame) -> None:
         try:
             await self.to_entry.send(frame, deadline_s=self.opts.dead_after_s * 2)
@@ -636,14 +658,16 @@ class NodeDaemon:
             log.warning("slot %s: could not reach the entry: %s", self.slot_id, e)
 
     def _free_from_entry(self, sessions) -> None:
-        self.worker.put(Free([(str(s), e) for s, e in sessions], origin=self.node_id))
+        p = self.entry.prefixes if self.entry is not None else None
+        keep = p.take_kept([str(s) for s, _ in sessions]) if p is not None else {}
+        self.worker.put(Free([(str(s), e) for s, e in sessions], origin=self.node_id, keep=keep))
 
     async def _pass_free(self, fr: Free) -> None:
         act = self.topo.active
         if act.index(self.slot) == len(act) - 1:
             return
         try:
-            await self.successor.send(free_frame(fr.sessions, fr.origin))
+            await self.successor.send(free_frame(fr.sessions, fr.origin, fr.keep))
         except LinkDown as e:
             log.warning("slot %s: free not passed on: %s", self.slot_id, e)
 
@@ -676,6 +700,7 @@ class NodeDaemon:
             st["entry"] = list(self.routes.address(self.topo.active[0].id))
         except ConnectionError:
             st["entry"] = None
+        prefix_status(st, self.runner, self.entry)  # the prefix cache: this stage's, the entry's hits
         if self.runner is not None:  # speculative decoding: passes by width, rollbacks (stage_runner.py)
             st["spec"] = self.runner.spec_stats() | (self.entry.spec_stats() if self.entry is not None else {})
         if self.entry is not None:

@@ -98,6 +98,12 @@ class Session:
     shadow: int | None = None  # the proposer's first guess for the next token while not drafting
     draft_ns: int = 0  # time spent drafting
     drafts: int = 0  # proposer calls
+    # prefix cache (p2pk3/node/prefix_match.py): block keys of the prompt, where KDA snapshots are asked for,
+    # the prompt tokens this epoch starts with from the cache, and the point it names
+    chain: list[str] = field(default_factory=list)
+    snap_points: list[int] = field(default_factory=list)
+    cached: int = 0
+    prefix: str | None = None
 
     @property
     def generated(self) -> list[int]:
@@ -125,6 +131,7 @@ class Session:
             "total_s": total,
             "decode_tokens_per_s": (n - 1) / decode if decode else None,
             "replays": self.replays,
+            "cached_tokens": self.cached,
         }
         if self.proposer is not None:
             st.update(
@@ -182,6 +189,7 @@ class Entry:
         self.proposer_factories = {"ngram": NgramProposer, "suffix": lambda: SuffixProposer(self.suffix_index)}
         self.draft_policy = "adaptive"
         self.spec_totals = {"passes": 0, "proposed": 0, "accepted": 0}
+        self.prefixes = None  # a PrefixMatcher (p2pk3/node/prefix_match.py) when the stages cache prefixes
 
     # ------------------------------------------------------------------ public
     def submit(
@@ -203,6 +211,8 @@ class Entry:
             if params.speculate == "suffix":
                 self.suffix_index.add(prompt)
         self.sessions[sid] = s
+        if self.prefixes is not None:
+            self.prefixes.begin(s)  # s starts at the longest cached prefix
         if params.max_tokens == 0 and not want_logits:
             self._finish(s)  # nothing to generate
             return s
@@ -228,6 +238,7 @@ class Entry:
         for s in self.live():
             s.epoch += 1
             s.sent, s.inflight_draft, s.decoding, s.group = 0, 0, False, None
+            s.cached, s.prefix = 0, None
             s.sent_at.clear()
             s.logits.clear()
             s.replays += 1
@@ -340,9 +351,12 @@ class Entry:
                 n = 1 if s.incremental else min(len(s.tokens) - s.sent, self.prefill_chunk, budget)
                 if n <= 0:
                     break
+                keys = {}
+                if self.prefixes is not None:  # cut at the next snapshot point; the keys the stages keep
+                    n, keys = self.prefixes.cut(s, n)
                 last = s.sent + n == len(s.tokens)
                 sample = s.seg_params if last and not s.want_logits else None
-                segs.append(Segment(s.id, s.epoch, s.sent, n, sample, s.want_logits))
+                segs.append(Segment(s.id, s.epoch, s.sent, n, sample, s.want_logits, **keys))
                 ids.extend(s.tokens[s.sent : s.sent + n])
                 s.sent += n
                 s.sent_at.append(now)
@@ -431,6 +445,9 @@ class Entry:
             if s is None or s.done or r.epoch != s.epoch:  # finished, or a unit of an epoch before a replay
                 row += r.rows
                 continue
+            if r.code == ErrorCode.PREFIX_MISS and self.prefixes is not None and s.prefix is not None:
+                self._prefix_missed(s)  # a stage lost the prefix: again, from a shorter one
+                continue
             if r.error is not None:
                 self._finish(s, error=r.error, code=r.code or ErrorCode.FAILED)
                 continue
@@ -449,6 +466,8 @@ class Entry:
             now = time.perf_counter()
             if s.t_first is None:
                 s.t_first = now
+                if self.prefixes is not None:
+                    self.prefixes.account(s)
             if len(r.accepted) > s.inflight_draft:
                 self._finish(
                     s,
@@ -487,6 +506,13 @@ class Entry:
             s.pass_tokens += added
         self.kick()
 
+    def _prefix_missed(self, s: Session) -> None:
+        """Start `s` again at a new epoch (the stages drop the old one's state) from the next longest prefix."""
+        s.epoch += 1
+        s.inflight_draft, s.decoding, s.group = 0, False, None
+        s.sent_at.clear()
+        self.prefixes.missed(s)
+
     def _finish(self, s: Session, error: str | None = None, code: str | None = None) -> None:
         s.done, s.error, s.error_code = True, error, code
         s.sent_at.clear()
@@ -500,6 +526,8 @@ class Entry:
             self.failed += 1
         else:
             self.finished += 1
+        if self.prefixes is not None and code in (None, ErrorCode.CANCELLED):
+            self.prefixes.finished(s)  # the stages keep its reply too, before they free it
         self._free_sessions([(s.id, s.epoch)])
         self.sessions.pop(s.id, None)
         if self.on_finish is not None:

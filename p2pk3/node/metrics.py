@@ -160,6 +160,7 @@ class DaemonCollector:
         spares = st.get("spares")
         if spares is not None:  # the entry's spare pool (node/spares.py)
             yield gauge("p2pk3_spares", "standbys ready to take a slot over", sum(1 for x in spares if x["ready"]))
+        yield from _prefix_metrics(st, counter, gauge, lab, lv)
         if snap["peers"]:
             hop = GaugeMetricFamily(
                 "p2pk3_hop_latency_seconds", "heartbeat round trip to a peer slot", labels=[*lab, "peer"]
@@ -167,6 +168,34 @@ class DaemonCollector:
             for peer, ms in sorted(snap["peers"].items()):
                 hop.add_metric([*lv, peer], ms / 1000)
             yield hop
+
+
+def _prefix_metrics(st: dict, counter, gauge, lab, lv):
+    """The prefix cache: prompt tokens hit and missed (entry), bytes per tier, evictions, hits and misses of
+    this stage (p2pk3/model/prefix_cache.py)."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    e = st.get("prefix_entry")
+    if e:
+        yield counter("p2pk3_prefix_hit_tokens", "prompt tokens started from the stages' prefix cache", e["hit_tokens"])
+        yield counter("p2pk3_prefix_miss_tokens", "prompt tokens computed (not in the prefix cache)", e["miss_tokens"])
+        yield counter("p2pk3_prefix_misses", "prefix_miss answers (a stage no longer held a named prefix)", e["misses"])
+    p = st.get("prefix")
+    if not p:
+        return
+    tier = GaugeMetricFamily("p2pk3_prefix_cache_bytes", "bytes the prefix cache holds, by tier", labels=[*lab, "tier"])
+    tier.add_metric([*lv, "device"], p["device_bytes"])
+    tier.add_metric([*lv, "host"], p["host_bytes"])
+    yield tier
+    budget = GaugeMetricFamily("p2pk3_prefix_cache_budget_bytes", "the prefix cache's budget, by tier", labels=[*lab, "tier"])
+    budget.add_metric([*lv, "device"], p["budget_bytes"])
+    budget.add_metric([*lv, "host"], p["host_budget_bytes"])
+    yield budget
+    yield counter("p2pk3_prefix_evictions", "points that left this stage's prefix cache", p["evictions"])
+    yield counter("p2pk3_prefix_to_host", "points moved from the device tier to the host tier", p["to_host"])
+    yield counter("p2pk3_prefix_from_host", "points brought back from the host tier on a hit", p["from_host"])
+    yield counter("p2pk3_prefix_stage_hits", "sessions this stage started at a cached prefix", p["hits"])
+    yield counter("p2pk3_prefix_stage_misses", "named prefixes this stage did not hold", p["misses"])
 
 
 class MetricsHandle:

@@ -32,6 +32,12 @@ class NodeOptions:
     # 4 x max_sessions), each at most queue_timeout_s; a request that finds the queue full is refused (busy)
     max_queue: int | None = None
     queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
+    # prefix cache (docs/architecture.md, "The prefix cache"): device tier and host tier in GiB (None: defaults
+    # from the free memory, p2pk3/node/prefix_setup.py; 0: off), tokens per block, a KDA snapshot every k blocks
+    prefix_cache_gb: float | None = None
+    host_cache_gb: float | None = None
+    prefix_block: int = 64
+    snapshot_every: int = 16
     discovery: bool = False  # UDP beacons
     claim_wait: float = 1.5  # seconds of listening to beacons before claiming
     # failure handling (docs/architecture.md, "Failure handling")

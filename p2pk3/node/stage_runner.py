@@ -21,6 +21,7 @@ from p2pk3.engine.sampling import sample_at
 from p2pk3.model.cache import CacheFull, SessionError, Span, StageCache
 from p2pk3.model.dtypes import TORCH_DTYPES
 from p2pk3.model.kimi_k3 import Hop
+from p2pk3.model.prefix_cache import PrefixCache, PrefixMiss
 from p2pk3.model.stage import K3Stage, StagePlan
 from p2pk3.spec.verify import verify_draft
 from p2pk3.transport.codec import Frame
@@ -112,8 +113,9 @@ def merge(works: list[Work]) -> Work:
 class StageRunner:
     """Runs packed batches through one stage and its caches; owns which epoch of each session it holds."""
 
-    def __init__(self, stage: K3Stage, cache: StageCache):
+    def __init__(self, stage: K3Stage, cache: StageCache, prefix: PrefixCache | None = None):
         self.stage, self.cache = stage, cache
+        self.prefix = prefix  # the stage's prefix cache (p2pk3/model/prefix_cache.py), None: off
         self.epochs: dict[str, int] = {}
         # speculative decoding, for the status: passes by batch width (EMA ms, count), verify segments by
         # width (k + 1), rollbacks
@@ -137,7 +139,25 @@ class StageRunner:
             return False
         self.cache.free(session)
         del self.epochs[session]
+        if self.prefix is not None:
+            self.prefix.forget(session)
         return True
+
+    @torch.inference_mode()
+    def keep(self, session: str, k) -> None:
+        """Before a finished session is freed: register its generated part in the prefix cache (a `Keep`).
+        Rejected drafts of its last verify pass are rolled back first; a session that holds other than
+        start + n tokens is left alone."""
+        if self.prefix is None or not self.cache.has(session):
+            return
+        end = k.start + k.n
+        try:
+            if self.cache.get(session).length > end:
+                self.stage.rollback(self.cache, session, end)
+            if self.cache.get(session).length == end:
+                self.prefix.insert(session, k.start, k.n, list(k.blocks), k.snap)
+        except (SessionError, CacheFull):
+            pass
 
     def free_all(self) -> int:
         n = len(self.epochs)
@@ -160,10 +180,13 @@ class StageRunner:
             seen.add(sid)
             if held is not None and s.epoch < held:
                 raise SessionError(f"session {sid}: epoch {s.epoch} is older than the stage's {held} (replayed)")
-            if s.start_pos == 0 and (held is None or s.epoch > held):
-                opening.append((sid, s.epoch, held))
+            if (s.start_pos == 0 or s.prefix is not None) and (held is None or s.epoch > held):
+                opening.append((sid, s.epoch, held, s))
             elif held is not None and s.epoch > held:
-                raise SessionError(f"session {sid}: epoch {s.epoch} must restart at position 0, not {s.start_pos}")
+                raise SessionError(
+                    f"session {sid}: epoch {s.epoch} must restart at position 0 or at a cached prefix, "
+                    f"not {s.start_pos}"
+                )
             elif held is not None and self.cache.has(sid) and s.start_pos > self.cache.get(sid).length:
                 raise SessionError(
                     f"session {sid}: a unit at position {s.start_pos} arrived before positions "
@@ -172,13 +195,19 @@ class StageRunner:
                 )
         opened = []
         try:
-            for sid, epoch, held in opening:
+            for sid, epoch, held, seg in opening:
                 if held is not None:
                     self.free(sid)
                 self.cache.open(sid)
                 self.epochs[sid] = epoch
                 opened.append(sid)
-        except CacheFull:
+                if seg.prefix is not None:  # starts at a cached prefix (PrefixMiss when not held here)
+                    if self.prefix is None:
+                        raise PrefixMiss(f"prefix_miss: session {sid} names a cached prefix; this stage caches none")
+                    self.prefix.attach(sid, seg.prefix, seg.start_pos)
+                elif self.prefix is not None:
+                    self.prefix.stats.cold += 1
+        except (CacheFull, SessionError):
             for sid in opened:
                 self.free(sid)
             raise
@@ -222,6 +251,8 @@ class StageRunner:
             for sid in opened:
                 self.free(sid)
             raise
+        if self.prefix is not None:
+            self._keep_prefixes(work.segments)
         if verify:  # logits of every position of a verify segment, of the last one of the others
             idx, r = [], 0
             for sg in work.segments:
@@ -231,6 +262,15 @@ class StageRunner:
         res = HopOut(out) if not self.plan.head else self._sample(work.segments, out, want_all)
         self._account(work, time.perf_counter() - t0)
         return res
+
+    def _keep_prefixes(self, segments: list[Segment]) -> None:
+        """Register the blocks and snapshots prefill segments ask for (a full pool only keeps less)."""
+        for s in segments:
+            if s.blocks or s.snap is not None:
+                try:
+                    self.prefix.insert(str(s.session), s.start_pos, s.n_tokens, list(s.blocks), s.snap)
+                except CacheFull:
+                    pass
 
     def _project(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden states (after the norm) -> fp32 logits, as K3Stage.head does."""

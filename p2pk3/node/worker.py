@@ -23,11 +23,12 @@ import collections
 import logging
 import time
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 from p2pk3.model.cache import CacheFull, SessionError
 from p2pk3.model.kimi_k3 import ExpertNotHeld
+from p2pk3.model.prefix_cache import PrefixMiss
 from p2pk3.spec.draft_len import PassCost
 from p2pk3.transport.messages import ErrorCode, Result, Segment
 
@@ -44,6 +45,7 @@ OUTBOX = 4  # outputs waiting to be sent before the worker waits for the sender 
 class Free:
     sessions: list[tuple[str, int]]
     origin: str
+    keep: dict = field(default_factory=dict)  # session -> Keep: registered in the prefix cache first
 
 
 @dataclass
@@ -63,7 +65,13 @@ class WorkerStats:
 
 
 def error_results(segments: list[Segment], e: Exception) -> list[Result]:
-    code = ErrorCode.BUSY if isinstance(e, CacheFull) else ErrorCode.FAILED
+    code = (
+        ErrorCode.BUSY
+        if isinstance(e, CacheFull)
+        else ErrorCode.PREFIX_MISS
+        if isinstance(e, PrefixMiss)
+        else ErrorCode.FAILED
+    )
     msg = str(e).strip("'\"") if isinstance(e, RECOVERABLE) else f"{type(e).__name__}: {e}"
     return [Result(s.session, s.epoch, s.start_pos, error=msg, code=code) for s in segments]
 
@@ -117,10 +125,12 @@ class StageWorker:
         report: Callable[[list[Result]], Awaitable[None]],
         pass_free: Callable[[Free], Awaitable[None]],
         first: bool = False,
+        report_prefix: Callable[[list, list], Awaitable[None]] | None = None,
     ):
         self.runner, self.executor, self.slot = runner, executor, slot
         self.max_batch_tokens = max_batch_tokens
         self.emit, self.report, self.pass_free = emit, report, pass_free
+        self.report_prefix = report_prefix  # (added, evicted) of the stage's prefix cache -> the entry
         self.first = first  # the entry's stage: runs the entry's units as they are (no merging)
         self.items: collections.deque = collections.deque()
         self._wake = asyncio.Event()
@@ -162,7 +172,13 @@ class StageWorker:
                 self.items.popleft()
                 if isinstance(head, Free):
                     for sid, epoch in head.sessions:
+                        if str(sid) in head.keep and self.runner.epochs.get(str(sid)) == epoch:
+                            try:
+                                self.runner.keep(str(sid), head.keep[str(sid)])
+                            except Exception:  # noqa: BLE001 - a reply not kept costs hits, never the worker
+                                log.exception("slot %s: keeping session %s in the prefix cache failed", self.slot, sid)
                         self.runner.free(str(sid), epoch)
+                    await self._report_prefix()
                     await self._outbox.put(("free", head))
                 else:
                     self._retain(head)
@@ -224,6 +240,8 @@ class StageWorker:
             try:
                 if kind == "free":
                     await self.pass_free(a)
+                elif kind == "prefix":
+                    await self.report_prefix(a, b[0])
                 else:
                     await self.emit(a, b[0])
             except asyncio.CancelledError:
@@ -256,11 +274,19 @@ class StageWorker:
             self.busy.stop()
         dt = time.perf_counter() - t0
         self.stats.busy_s += dt
+        await self._report_prefix()  # before the outputs: the entry knows what is held when they arrive
         for g, out in outs:
             self.stats.batches += 1
             self.stats.tokens += sum(w.n_tokens for w in g)
             self.stats.last_batch_ms = 1000 * dt
             await self._outbox.put(("out", [s for w in g for s in w.segments], out))
+
+    async def _report_prefix(self) -> None:
+        """What the prefix cache added and evicted since the last report, to the ordered sender."""
+        if self.runner.prefix is not None and self.report_prefix is not None:
+            added, evicted = self.runner.prefix.take_report()
+            if added or evicted:
+                await self._outbox.put(("prefix", added, evicted))
 
     async def _failed(self, work: Work, e: Exception) -> None:
         self.stats.errors += 1

@@ -26,6 +26,8 @@ class MemoryTable:
     capacity: int
     weights: dict[tuple[str, str], int] = field(default_factory=dict)  # (class, format) -> bytes
     runtime: list[tuple[str, str, int]] = field(default_factory=list)  # (item, detail, bytes)
+    # the prefix cache's device budget: taken from what the rest leaves free, so not in `total`
+    prefix_cache: tuple[str, int] | None = None  # (detail, bytes)
 
     @property
     def weight_total(self) -> int:
@@ -45,7 +47,8 @@ class MemoryTable:
 
     def rows(self) -> list[tuple[str, str, int]]:
         r = [(f"weights: {c}", f, b) for (c, f), b in sorted(self.weights.items(), key=lambda kv: -kv[1])]
-        return r + self.runtime
+        pc = [("prefix cache (device, of the free)", *self.prefix_cache)] if self.prefix_cache else []
+        return r + self.runtime + pc
 
     def render(self) -> str:
         lines = [
@@ -57,13 +60,29 @@ class MemoryTable:
         return "\n".join(lines)
 
 
+PREFIX_DEFAULT_SHARE = 0.25  # a node's default prefix-cache budget on a GPU (p2pk3/node/prefix_setup.py)
+
+
 def memory_table(
-    cfg: K3Config, plan: SlotPlan, memory: MemorySpec, capacity_gib: float, formats: Mapping[str, str] | None = None
+    cfg: K3Config,
+    plan: SlotPlan,
+    memory: MemorySpec,
+    capacity_gib: float,
+    formats: Mapping[str, str] | None = None,
+    prefix_cache_gb: float | None = None,
 ) -> MemoryTable:
-    """The card's table: `sizing.weight_items` (weights by class and format) + `sizing.runtime_items`."""
+    """The card's table: `sizing.weight_items` (weights by class and format) + `sizing.runtime_items`, and
+    the prefix cache's device budget as its last line (`prefix_cache`, out of the free memory, not in the
+    total): `prefix_cache_gb` (`p2pk3 node --prefix-cache-gb`), else the node's default, a quarter of the
+    free memory."""
     t = MemoryTable(plan.slot, int(capacity_gib * GiB))
     t.weights = weight_items(cfg, plan, formats)
     t.runtime = runtime_items(cfg, plan, memory)
+    if plan.layers:
+        if prefix_cache_gb is None:
+            t.prefix_cache = ("default: 1/4 of the free memory", int(PREFIX_DEFAULT_SHARE * max(0, t.free)))
+        else:
+            t.prefix_cache = ("--prefix-cache-gb", int(prefix_cache_gb * GiB))
     return t
 
 

@@ -56,10 +56,13 @@ def simulate_sweep(
     context=None,
     micro_batches=None,
     prefill_depth=None,
+    cached_prefix: int = 0,
+    snapshot_span: int = 256,
 ) -> list[SimResult]:
     """The ring's figures at each stream count, scheduled as the daemon schedules it: micro_batches and
     prefill_depth None (auto) are one per stage, the daemon's default; 1 and 1 is the schedule before
-    micro-batches."""
+    micro-batches. `cached_prefix`: prompt tokens the stages' prefix caches hold (a hit); the rest is then cut
+    at the snapshot points, every `snapshot_span` tokens (the daemon's --snapshot-every x --prefix-block)."""
     stages = build_stages(cfg, topo, hw, formats, tp, act)
     cost = CostModel(cfg, stages, hw)
     a, width = spec_width(accept, spec_k)
@@ -76,6 +79,8 @@ def simulate_sweep(
             int(hw.get("batching.max_batch_tokens", 2048)),
             micro_batches or 0,
             prefill_depth or 0,
+            cached_prefix,
+            snapshot_span if cached_prefix else 0,
         )
         r = run(
             cost,
@@ -92,6 +97,7 @@ def simulate_sweep(
             "formats": dict(formats or {}),
             "stages": len(stages),
             "prompt": w.prompt,
+            "cached_prefix": w.cached,
             "new_tokens": w.new_tokens,
             "context": w.context,
             "micro_batches": w.micro_batches or len(stages),

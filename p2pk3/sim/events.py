@@ -38,6 +38,8 @@ class Workload:
     max_batch_tokens: int = 2048
     micro_batches: int = 0  # decode groups in flight (0: one per stage, as the daemon's default)
     prefill_depth: int = 0  # chunks of one prompt in flight (0: one per stage, as the daemon's default)
+    cached: int = 0  # prompt tokens the stages hold in their prefix caches already (a hit): not computed
+    snapshot_span: int = 0  # with the prefix cache: chunks end at multiples of this (k x B: KDA snapshots)
 
 
 @dataclass
@@ -77,8 +79,10 @@ def run(
         seq += 1
         heapq.heappush(ev, (t, seq, kind, data))
 
-    sent_prompt = [0] * w.streams
-    done_prompt = [0] * w.streams
+    if not 0 <= w.cached < w.prompt:
+        raise ValueError(f"cached prefix {w.cached} must be below the prompt's {w.prompt} tokens (one is computed)")
+    sent_prompt = [w.cached] * w.streams  # a hit: the stages start the session there (prefix_cache.py)
+    done_prompt = [w.cached] * w.streams
     inflight = [0] * w.streams
     group: list[int | None] = [None] * w.streams
     made = [0.0] * w.streams
@@ -168,6 +172,8 @@ def run(
             unit, budget = [], cap
             for i in ready:
                 n = min(w.prefill_chunk, w.prompt - sent_prompt[i], budget)
+                if w.snapshot_span:  # the entry cuts a chunk at the next snapshot point (prefix_match.py)
+                    n = min(n, w.snapshot_span - sent_prompt[i] % w.snapshot_span)
                 if n <= 0:
                     break
                 sent_prompt[i] += n

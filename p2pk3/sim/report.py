@@ -14,7 +14,9 @@ def table(results: list[SimResult], hw: Profile) -> str:
         f"profile: {hw.name}  ({hw.path})",
         f"stages {m['stages']} (tp {m['tp']}), activations {m['act']}, formats "
         f"{', '.join(f'{k}={v}' for k, v in sorted(m['formats'].items())) or 'as shipped'}, accept {m['accept']:g} "
-        f"tokens/pass at width {m['width']}, prompt {m['prompt']}, new tokens {m['new_tokens']}, "
+        f"tokens/pass at width {m['width']}, prompt {m['prompt']}"
+        + (f" ({m['cached_prefix']} of them cached)" if m.get("cached_prefix") else "")
+        + f", new tokens {m['new_tokens']}, "
         f"context {m['context']}; schedule: {m['micro_batches']} decode micro-batches, "
         f"{m['prefill_depth']} chunks of a prompt in flight",
         f"one stream alone: {results[0].token_ms_1:.2f} ms per pass",

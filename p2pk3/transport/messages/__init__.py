@@ -73,16 +73,21 @@ from .files import (
 )
 from .ring import (
     Forward,
+    Keep,
+    PrefixReport,
     Result,
     Segment,
     forward_frame,
     free_frame,
     parse_forward,
     parse_free,
+    parse_free_keep,
+    parse_prefix_report,
     parse_result,
     parse_pong,
     ping_frame,
     pong_frame,
+    prefix_report_frame,
     result_frame,
 )
 
@@ -103,6 +108,11 @@ __all__ = [
     "ping_frame",
     "pong_frame",
     "parse_pong",
+    "Keep",
+    "parse_free_keep",
+    "PrefixReport",
+    "prefix_report_frame",
+    "parse_prefix_report",
     # clients
     "GenerateRequest",
     "token_frame",

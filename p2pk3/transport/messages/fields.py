@@ -22,6 +22,7 @@ class ErrorCode:
     FAILED = "failed"  # the request failed in the ring (message says where and why)
     UNAVAILABLE = "unavailable"  # a slot of the ring is down; message names it
     CANCELLED = "cancelled"  # the request was cancelled
+    PREFIX_MISS = "prefix_miss"  # a stage no longer holds the cached prefix a segment named: the entry retries
 
 
 MAX_SESSION_ID = 256

@@ -10,7 +10,7 @@ from typing import Any, Iterable, Mapping
 from p2pk3.params import MAX_DRAFT, SamplingParams
 
 from ..codec import Frame, ProtocolError
-from .fields import ErrorCode, check_session, expect, is_int, sampling
+from .fields import ErrorCode, check_session, expect, is_int, name, sampling
 
 
 # ------------------------------------------------------------------------------------------ segments
@@ -24,7 +24,12 @@ class Segment:
     `draft` (speculative decoding): the k token ids drafted after the session's last accepted token; the
     segment's tokens are then [last accepted, *draft] (n_tokens = k + 1), every stage keeps a rollback
     checkpoint for them, and the last stage verifies them (Result.accepted). A later segment of the session
-    whose start_pos is below what a stage holds rolls that stage back to start_pos."""
+    whose start_pos is below what a stage holds rolls that stage back to start_pos.
+
+    Prefix cache (p2pk3/node/prefix_match.py): `prefix` names the cached point (a chained block hash) the
+    session starts at, on its first segment of an epoch that starts at start_pos > 0 (a stage that does not
+    hold it answers code `prefix_miss`); `blocks` are the keys of the block boundaries the segment completes,
+    `snap` the key of its end point when the entry wants the stages to keep a state snapshot there."""
 
     session: str | int
     epoch: int
@@ -33,6 +38,9 @@ class Segment:
     sample: SamplingParams | None = None
     want_logits: bool = False
     draft: tuple[int, ...] = ()
+    prefix: str | None = None
+    blocks: tuple[str, ...] = ()
+    snap: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -47,6 +55,12 @@ class Segment:
             d["logits"] = True
         if self.draft:
             d["draft"] = [int(t) for t in self.draft]
+        if self.prefix is not None:
+            d["prefix"] = self.prefix
+        if self.blocks:
+            d["blocks"] = list(self.blocks)
+        if self.snap is not None:
+            d["snap"] = self.snap
         return d
 
     @classmethod
@@ -72,7 +86,24 @@ class Segment:
                 f"{where}: a draft of {len(draft)} tokens needs n_tokens = {len(draft) + 1} "
                 f"(got {d['n_tokens']}), sampling parameters and no logits"
             )
-        return cls(d["session"], d["epoch"], d["start_pos"], d["n_tokens"], sample, want, tuple(draft))
+        prefix, snap, blocks = d.get("prefix"), d.get("snap"), d.get("blocks", [])
+        for k, v in (("prefix", prefix), ("snap", snap)):
+            if v is not None and not _is_key(v):
+                raise ProtocolError(f"{where}: {k} must be a block key (1 to {MAX_KEY} characters), got {v!r:.40}")
+        if prefix is not None and d["start_pos"] == 0:
+            raise ProtocolError(f"{where}: a prefix names the cached point the segment starts at: start_pos > 0")
+        if not isinstance(blocks, list) or len(blocks) > d["n_tokens"] or not all(_is_key(k) for k in blocks):
+            raise ProtocolError(f"{where}: blocks must be a list of at most n_tokens block keys")
+        return cls(
+            d["session"], d["epoch"], d["start_pos"], d["n_tokens"], sample, want, tuple(draft), prefix, tuple(blocks), snap
+        )
+
+
+MAX_KEY = 64  # characters of a prefix block key (p2pk3/node/prefix_match.py makes 32)
+
+
+def _is_key(v: Any) -> bool:
+    return isinstance(v, str) and 0 < len(v) <= MAX_KEY
 
 
 def _segments(segs: Iterable[Segment]) -> list[dict[str, Any]]:
@@ -267,12 +298,50 @@ def parse_result(frame: Frame) -> list[Result]:
 
 
 # ---------------------------------------------------------------------------------------------- free
-def free_frame(sessions: Iterable[tuple[str | int, int]], origin: str = "") -> Frame:
+def free_frame(
+    sessions: Iterable[tuple[str | int, int]], origin: str = "", keep: Mapping[str, Keep] | None = None
+) -> Frame:
+    """`keep` (prefix cache): for some of the sessions, what the stages register before freeing them."""
     ss = []
     for sid, epoch in sessions:
         check_session(sid, "free")
         ss.append({"session": sid, "epoch": int(epoch)})
-    return Frame.make("free", sessions=ss, origin=origin)
+    extra = {"keep": [k.to_wire(sid) for sid, k in keep.items()]} if keep else {}
+    return Frame.make("free", sessions=ss, origin=origin, **extra)
+
+
+@dataclass(frozen=True)
+class Keep:
+    """A finished session's generated part, for the prefix cache: the keys of the block boundaries in
+    (start, start + n] and of the point start + n (the tokens the stages hold of it), registered before
+    the session is freed."""
+
+    start: int
+    n: int
+    blocks: tuple[str, ...]
+    snap: str
+
+    def to_wire(self, session) -> dict[str, Any]:
+        return {"session": session, "start": self.start, "n": self.n, "blocks": list(self.blocks), "snap": self.snap}
+
+
+def parse_free_keep(frame: Frame) -> dict[str, Keep]:
+    """session id (as a string) -> Keep, from a `free` frame's optional `keep` list."""
+    ks = expect(frame, "free").get("keep", [])
+    if not isinstance(ks, list):
+        raise ProtocolError("free frame: keep must be a list")
+    out = {}
+    for k in ks:
+        if not isinstance(k, dict):
+            raise ProtocolError("free frame: each keep entry is a map")
+        check_session(k.get("session"), "free: keep")
+        start, n, blocks, snap = k.get("start"), k.get("n"), k.get("blocks"), k.get("snap")
+        if not (is_int(start) and start >= 0 and is_int(n) and n > 0):
+            raise ProtocolError("free frame: keep needs start >= 0 and n > 0")
+        if not isinstance(blocks, list) or len(blocks) > n or not all(_is_key(b) for b in blocks) or not _is_key(snap):
+            raise ProtocolError("free frame: keep needs blocks (at most n keys) and a snap key")
+        out[str(k["session"])] = Keep(start, n, tuple(blocks), snap)
+    return out
 
 
 def parse_free(frame: Frame) -> tuple[list[tuple[str | int, int]], str]:
@@ -319,3 +388,50 @@ def parse_pong(frame: Frame) -> dict[str, Any]:
     if h.get("id") is not None and not is_int(h.get("id")):
         raise ProtocolError(f"pong frame: id must be the ping's integer id, got {h.get('id')!r}")
     return dict(h)
+
+
+# ------------------------------------------------------------------------------------ prefix report
+MAX_REPORT = 8192  # points in one report (a report of more is sent as several)
+
+
+@dataclass
+class PrefixReport:
+    """What a stage's prefix cache can resume at now, as changes since its last report (stage -> entry).
+    `reset`: forget everything reported before (a cache that starts empty: a new holder of the slot);
+    `stateless`: the stage holds no attention layer and can start a session anywhere."""
+
+    slot: str
+    holder: str
+    added: list[tuple[str, int]]
+    evicted: list[str]
+    reset: bool = False
+    stateless: bool = False
+
+
+def prefix_report_frame(r: PrefixReport) -> Frame:
+    return Frame.make(
+        "prefix_report",
+        slot=r.slot,
+        holder=r.holder,
+        added=[[k, int(p)] for k, p in r.added],
+        evicted=list(r.evicted),
+        reset=bool(r.reset),
+        stateless=bool(r.stateless),
+    )
+
+
+def parse_prefix_report(frame: Frame) -> PrefixReport:
+    h = expect(frame, "prefix_report")
+    slot, holder = name(h.get("slot"), "prefix_report: slot"), name(h.get("holder"), "prefix_report: holder")
+    added, evicted = h.get("added", []), h.get("evicted", [])
+    if not isinstance(added, list) or len(added) > MAX_REPORT:
+        raise ProtocolError(f"prefix_report: added must be a list of at most {MAX_REPORT} [key, position]")
+    for a in added:
+        if not (isinstance(a, list) and len(a) == 2 and _is_key(a[0]) and is_int(a[1]) and a[1] > 0):
+            raise ProtocolError(f"prefix_report: each added point is [key, position > 0], got {a!r:.60}")
+    if not isinstance(evicted, list) or len(evicted) > MAX_REPORT or not all(_is_key(k) for k in evicted):
+        raise ProtocolError(f"prefix_report: evicted must be a list of at most {MAX_REPORT} keys")
+    reset, stateless = h.get("reset", False), h.get("stateless", False)
+    if not isinstance(reset, bool) or not isinstance(stateless, bool):
+        raise ProtocolError("prefix_report: reset and stateless must be bools")
+    return PrefixReport(slot, holder, [(k, p) for k, p in added], list(evicted), reset, stateless)
