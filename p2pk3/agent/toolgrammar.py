@@ -12,6 +12,11 @@ matched as those token ids (`<[id]>` in llguidance's Lark), so the text of a mar
 it; markers that are plain text are literals. After the section only a stop token may follow. "auto" and
 "none" need no grammar (None). The output then parses with `toolcalls.parse_tool_calls` into valid calls.
 
+A checkpoint that thinks (`reasoning`, a `reasoning.ReasoningFormat`) may think before it calls: with
+`starts_inside` (the prompt opened the thinking section) the output is free text up to the end marker, then
+the section; otherwise an optional begin ... end section may come first. The thinking text is not
+constrained (only the end marker and what follows it are).
+
 Called by (next session) the API, when a request has tools and tool_choice required / named.
 """
 
@@ -59,9 +64,12 @@ def tool_call_grammar(
     tool_choice,
     special: Mapping[str, int],
     parallel_tool_calls: bool = True,
+    reasoning=None,
+    starts_inside: bool = False,
 ) -> str | None:
     """The Lark grammar (llguidance dialect) of a forced tool-call section (module doc); None if nothing is
-    forced. special: the tokenizer's special-token text -> id."""
+    forced. special: the tokenizer's special-token text -> id; reasoning: the checkpoint's ReasoningFormat
+    (None: it does not think); starts_inside: the prompt ends with its begin marker."""
     if not fmt:
         raise GrammarError(f"tool_choice cannot be enforced: {fmt.reason}")
     fns = chosen_tools(tools, tool_choice)
@@ -90,9 +98,16 @@ def tool_call_grammar(
     body = " | ".join(f"({a})" for a in alts)
     call = f"call: {_marker(fmt.call_begin, special)} ({body}) {_marker(fmt.call_end, special)}"
     calls = "call+" if parallel_tool_calls else "call"
-    start = (
-        f"start: {_marker(fmt.section_begin, special)} {calls} {_marker(fmt.section_end, special)}"
+    section = (
+        f"section: {_marker(fmt.section_begin, special)} {calls} {_marker(fmt.section_end, special)}"
         if fmt.section_begin
-        else f"start: {calls}"
+        else f"section: {calls}"
     )
-    return "\n".join([start, call, "IDX: /[0-9]{1,4}/", *rules]) + "\n"
+    if reasoning is None:
+        start = "start: section"
+    elif starts_inside:
+        start = f"start: THOUGHT {_marker(reasoning.end, special)} section"
+    else:
+        start = f"start: ({_marker(reasoning.begin, special)} THOUGHT {_marker(reasoning.end, special)})? section"
+    thought = ["THOUGHT: /(?s:.*)/"] if reasoning is not None else []
+    return "\n".join([start, section, call, "IDX: /[0-9]{1,4}/", *thought, *rules]) + "\n"

@@ -7,7 +7,8 @@
     gen.finish_reason, gen.completion_tokens
 
 Tokens arrive from `Cluster.generate` (its `on_token` callback) into a queue; each is detokenized with the
-tokenizer's stream decoder (complete characters only, special tokens dropped) and passed through the
+tokenizer's stream decoder (complete characters only, special tokens dropped but for `keep_ids`, the
+thinking and tool-call markers the answer's parsers read) and passed through the
 stop-sequence matcher. A stop id (end of turn / EOS) ends the text: finish_reason "stop" (the ring ends the
 session itself). A stop *sequence* match ends the text before it, and cancels the request in the ring (its
 caches are freed). Running out of `max_tokens` is finish_reason "length". A cluster error before the first
@@ -37,10 +38,12 @@ class Generation:
         metrics,
         route: str,
         t_arrival: float,
+        keep_ids: frozenset[int] = frozenset(),
     ):
         self.cluster, self.tok = cluster, tok
         self.prompt_ids, self.params = prompt_ids, params
         self.matcher = StopMatcher(stops)
+        self.keep_ids = keep_ids  # special tokens kept in the text (the markers of api/answer.py)
         self.metrics, self.route, self.t_arrival = metrics, route, t_arrival
         self.finish_reason: str | None = None
         self.completion_tokens = 0
@@ -91,7 +94,7 @@ class Generation:
         self.metrics.generated.labels(self.route).inc()
 
     async def pieces(self):
-        dec = self.tok.stream_decoder()
+        dec = self.tok.stream_decoder(keep=self.keep_ids)
         stop_ids = set(self.params.stop_ids)
         last = None
         while True:

@@ -4,7 +4,11 @@ Every mistake is an `ApiError` 400 whose `param` names the field (`messages[1].r
 Accepted: `model` (required, as OpenAI requires it), `messages` / `prompt`, `stream`, `stream_options.include_usage`, `max_tokens` /
 `max_completion_tokens`, `temperature` [0, 2], `top_p` (0, 1], `seed`, `stop` (string or list of up to 4),
 `n` (1 only), `user`; extensions as vLLM names them: `top_k`, `ignore_eos`; p2pk3's own: `speculate`,
-`draft_tokens`. The sampling fields land in `GenRequest.sampling` (a `SamplingOverrides`: unset fields
+`draft_tokens`. Agents' fields: `tools` (functions with JSON-schema `parameters`), `tool_choice` ("auto",
+"none", "required" or {"type": "function", "function": {"name"}}; the default is "auto" with tools, "none"
+without), `parallel_tool_calls` (default true), `reasoning_effort` (passed to the chat template), and the
+messages agents send back: assistant `tool_calls` (content may then be null) and `reasoning_content`,
+`role: "tool"` results with their `tool_call_id`. The sampling fields land in `GenRequest.sampling` (a `SamplingOverrides`: unset fields
 take the checkpoint's generation_config defaults, p2pk3/frontends/prompt.py) with the ranges the CLI
 options have (p2pk3/params.py). Fields that would change the
 output in a way this server does not implement (`logprobs`, `echo`, `suffix`, `best_of` > 1, non-zero
@@ -22,6 +26,7 @@ from p2pk3.params import DEFAULT_DRAFT, MAX_DRAFT, MAX_SEED, MAX_TEMPERATURE, SP
 from .errors import bad_param
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 MAX_STOPS = 4
 MAX_STOP_LEN = 256
 
@@ -32,6 +37,9 @@ class GenRequest:
     model: str | None = None
     messages: list[dict] | None = None  # chat: normalised messages (role, content: str, [name])
     tools: list[dict] | None = None
+    tool_choice: str | dict = "none"  # "auto" | "none" | "required" | {"type": "function", "function": {...}}
+    parallel_tool_calls: bool = True
+    reasoning_effort: str | None = None  # a chat template variable when given
     prompt: str | list[int] | None = None  # completion: text, or token ids
     stream: bool = False
     include_usage: bool = False
@@ -96,11 +104,73 @@ def _messages(v: Any) -> list[dict]:
             if not isinstance(name, str):
                 raise bad_param(f"{where}.name", "must be a string")
             msg["name"] = name
-        for k in ("tool_calls", "tool_call_id"):
-            if m.get(k) is not None:
-                msg[k] = m[k]
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise bad_param(f"{where}.tool_call_id", "is required (the id of the call this result answers)")
+            msg["tool_call_id"] = m["tool_call_id"]
+        if role == "assistant" and m.get("tool_calls") is not None:
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+        if role == "assistant" and m.get("reasoning_content") is not None:
+            if not isinstance(m["reasoning_content"], str):
+                raise bad_param(f"{where}.reasoning_content", "must be a string")
+            msg["reasoning_content"] = m["reasoning_content"]
         out.append(msg)
     return out
+
+
+def _tool_calls(v: Any, where: str) -> list[dict]:
+    """An assistant message's tool_calls: [{id, type: function, function: {name, arguments: JSON text}}]."""
+    if not isinstance(v, list):
+        raise bad_param(where, "must be a list of tool calls")
+    out = []
+    for i, c in enumerate(v):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_param(f"{where}[{i}]", 'must be {"id", "type": "function", "function": {"name", "arguments"}}')
+        args = fn.get("arguments", "{}")
+        if not isinstance(args, str):
+            raise bad_param(f"{where}[{i}].function.arguments", "must be a string (the arguments as JSON text)")
+        call_id = c.get("id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise bad_param(f"{where}[{i}].id", "must be a string")
+        out.append({"id": call_id or f"functions.{fn['name']}:{i}", "type": "function",
+                    "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def _tools(v: Any) -> list[dict] | None:
+    if v is None:
+        return None
+    if not isinstance(v, list):
+        raise bad_param("tools", "must be a list of {type: function, function: {name, parameters}}")
+    for i, t in enumerate(v):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise bad_param(f"tools[{i}]", 'must be {"type": "function", "function": {"name", "parameters"}}')
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad_param(f"tools[{i}].function.name", "is required (a non-empty string)")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise bad_param(f"tools[{i}].function.parameters", "must be a JSON schema object")
+    names = [t["function"]["name"] for t in v]
+    if len(set(names)) < len(names):
+        raise bad_param("tools", f"function names must be unique, got {names}")
+    return v or None
+
+
+def _tool_choice(v: Any, tools: list[dict] | None) -> str | dict:
+    if v is None:
+        return "auto" if tools else "none"
+    if v in ("auto", "none", "required") or (
+        isinstance(v, dict) and v.get("type") == "function" and isinstance((v.get("function") or {}).get("name"), str)
+    ):
+        if v != "none" and not tools:
+            raise bad_param("tool_choice", f"{v!r} needs a non-empty tools list")
+        if isinstance(v, dict) and v["function"]["name"] not in {t["function"]["name"] for t in tools}:
+            raise bad_param("tool_choice", f"names {v['function']['name']!r}, which is not among the tools")
+        return v
+    raise bad_param(
+        "tool_choice", f'must be "auto", "none", "required" or {{"type": "function", "function": {{"name": ...}}}}, got {v!r}'[:300]
+    )
 
 
 def _prompt(v: Any) -> str | list[int]:
@@ -161,13 +231,13 @@ def parse_request(body: Any, kind: str, max_tokens_limit: int) -> GenRequest:
         raise bad_param("model", "required: the id of the model to use (GET /v1/models lists it)")
     if kind == "chat":
         req.messages = _messages(body.get("messages"))
-        tools = _opt(
-            body,
-            "tools",
-            lambda v: isinstance(v, list) and all(isinstance(t, dict) for t in v),
-            "a list of tool objects",
+        req.tools = _tools(body.get("tools"))
+        req.tool_choice = _tool_choice(body.get("tool_choice"), req.tools)
+        ptc = _opt(body, "parallel_tool_calls", lambda v: isinstance(v, bool), "true or false")
+        req.parallel_tool_calls = True if ptc is None else ptc
+        req.reasoning_effort = _opt(
+            body, "reasoning_effort", lambda v: v in REASONING_EFFORTS, " or ".join(f'"{e}"' for e in REASONING_EFFORTS)
         )
-        req.tools = tools or None
     else:
         req.prompt = _prompt(body.get("prompt"))
     n = _opt(body, "n", _is_int, "an integer")

@@ -110,12 +110,17 @@ class PromptBuilder:
         return cls(ChatTokenizer.from_pretrained(model_dir), context_length(model_dir))
 
     # -- prompt ids --------------------------------------------------------------------------------------
-    def chat_ids(self, messages: Sequence[Mapping], tools: Sequence[dict] | None = None) -> list[int]:
-        """The conversation through the checkpoint's chat template, ending with the generation prompt."""
+    def chat_ids(
+        self, messages: Sequence[Mapping], tools: Sequence[dict] | None = None, template_vars: Mapping | None = None
+    ) -> list[int]:
+        """The conversation through the checkpoint's chat template, ending with the generation prompt;
+        template_vars: more template variables (the API's `reasoning_effort`)."""
         from p2pk3.tokenizer import ChatTemplateError
 
         try:
-            ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+            ids = self.tok.apply_chat_template(
+                messages, add_generation_prompt=True, tools=tools, **dict(template_vars or {})
+            )
         except ChatTemplateError as e:
             raise PromptError("prompt", f"the chat template refused the messages: {e}") from None
         return self._nonempty(ids)
@@ -166,9 +171,13 @@ class PromptBuilder:
 
     # -- whole requests ----------------------------------------------------------------------------------
     def chat(
-        self, messages: Sequence[Mapping], asked: SamplingOverrides, tools: Sequence[dict] | None = None
+        self,
+        messages: Sequence[Mapping],
+        asked: SamplingOverrides,
+        tools: Sequence[dict] | None = None,
+        template_vars: Mapping | None = None,
     ) -> Prompt:
-        ids = self.chat_ids(messages, tools)
+        ids = self.chat_ids(messages, tools, template_vars)
         return Prompt(ids, self.sampling(asked, len(ids)))
 
     def question(self, text: str, asked: SamplingOverrides) -> Prompt:

@@ -1,0 +1,167 @@
+"""The shape of a chat answer: generated text -> `reasoning_content`, `tool_calls` and `content`, complete and
+streamed, for the OpenAI chat route and the Anthropic Messages route alike.
+
+    formats = AnswerFormats.of(tok)                    # once per checkpoint: its thinking and tool-call markers
+    shape = formats.shaper(tools, tool_choice, prompt_ids)   # one per request
+    shape.keep_ids                                     # special-token ids the decoder must keep (the markers)
+    for piece in gen.pieces(): deltas = shape.feed(piece)      # [{"reasoning_content"}, {"content"},
+    deltas = shape.finish()                                    #  {"tool_calls": [...]}] in OpenAI's order
+    shape.message(), shape.finish_reason(gen.finish_reason)
+    formats.forced_grammar(tools, tool_choice, parallel_tool_calls, prompt_ids)   # Lark, or None
+
+The markers are the checkpoint's own (agent/reasoning.py, agent/toolcalls.py find them among the tokenizer's
+special tokens and in its chat template). The text goes through the thinking parser first; what is not
+reasoning goes through the tool-call parser; what is neither is content. A checkpoint without thinking
+tokens, or a request without tools (or with tool_choice "none"), is not parsed for them: its text is all
+content, exactly as before. A malformed tool call (bad JSON, unknown name, cut off) is left out of
+tool_calls and logged.
+
+The output starts inside a thinking section when the prompt ends with the thinking begin marker (templates
+whose generation prompt opens it, e.g. when `reasoning_effort` asks for thinking): then everything up to the
+end marker is reasoning. tool_choice "required" or a named function is enforced by a grammar of the
+checkpoint's tool-call section (agent/toolgrammar.py) that the last stage samples under; thinking, where the
+checkpoint has it, may come first.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from p2pk3.agent.reasoning import ReasoningFormat, ReasoningStream, discover_reasoning_format
+from p2pk3.agent.toolcalls import NoToolFormat, ToolCallFormat, ToolCallStream, discover_tool_format
+from p2pk3.agent.toolgrammar import tool_call_grammar
+
+log = logging.getLogger("p2pk3.api")
+
+__all__ = ["AnswerFormats", "AnswerShaper", "with_grammar"]
+
+
+def with_grammar(params, lark: str):
+    """SamplingParams that sample under the Lark grammar `lark` (on the last stage)."""
+    return replace(params, grammar={"lark": lark})
+
+
+@dataclass(frozen=True)
+class AnswerFormats:
+    """One checkpoint's thinking and tool-call markers (each falsy, with its reason, when it has none)."""
+
+    tools: ToolCallFormat | NoToolFormat
+    reasoning: ReasoningFormat | object
+    special: Mapping[str, int]  # the tokenizer's special-token text -> id
+    decode_tail: object = None  # ids -> text, for a prompt whose thinking begin marker is plain text
+
+    @classmethod
+    def of(cls, tok) -> AnswerFormats:
+        """The formats of a ChatTokenizer (its templates' sources are where the markers must appear)."""
+        source = "\n".join(src for src, _ in tok.templates.values())
+        return cls(
+            discover_tool_format(tok.special, source),
+            discover_reasoning_format(tok.special, source),
+            dict(tok.special),
+            lambda ids: tok.decode(ids, skip_special=False),
+        )
+
+    def starts_inside(self, prompt_ids: Sequence[int]) -> bool:
+        """Whether the prompt ends with the thinking begin marker (the output then starts as reasoning)."""
+        fmt = self.reasoning
+        if not fmt or not prompt_ids:
+            return False
+        if fmt.begin in self.special:
+            return prompt_ids[-1] == self.special[fmt.begin]
+        return self.decode_tail(list(prompt_ids[-8:])).rstrip().endswith(fmt.begin)
+
+    def parses_tools(self, tools: Sequence[Mapping] | None, tool_choice) -> bool:
+        return bool(self.tools) and bool(tools) and tool_choice != "none"
+
+    def shaper(self, tools: Sequence[Mapping] | None, tool_choice, prompt_ids: Sequence[int]) -> AnswerShaper:
+        return AnswerShaper(self, tools if self.parses_tools(tools, tool_choice) else None, prompt_ids)
+
+    def forced_grammar(
+        self, tools: Sequence[Mapping] | None, tool_choice, parallel_tool_calls: bool, prompt_ids: Sequence[int]
+    ) -> str | None:
+        """The Lark grammar that enforces tool_choice "required" / named (None for auto / none); raises
+        GrammarError (naming the reason) when it cannot be enforced on this checkpoint."""
+        if tool_choice in (None, "auto", "none"):
+            return None
+        return tool_call_grammar(
+            self.tools,
+            tools,
+            tool_choice,
+            self.special,
+            parallel_tool_calls=parallel_tool_calls,
+            reasoning=self.reasoning or None,
+            starts_inside=self.starts_inside(prompt_ids),
+        )
+
+
+class AnswerShaper:
+    """One request's answer: text pieces in, OpenAI delta dicts out; the complete message at the end."""
+
+    def __init__(self, formats: AnswerFormats, tools: Sequence[Mapping] | None, prompt_ids: Sequence[int]):
+        self._reasoning = ReasoningStream(formats.reasoning, formats.starts_inside(prompt_ids))
+        self._tools = ToolCallStream(formats.tools if tools else NoToolFormat("not asked"), tools)
+        markers = [*(formats.reasoning.begin, formats.reasoning.end)] if formats.reasoning else []
+        markers += list(formats.tools.markers) if tools else []
+        self.keep_ids = frozenset(formats.special[m] for m in markers if m in formats.special)
+        self.reasoning_parts: list[str] = []
+        self.content_parts: list[str] = []
+        self._announced = False  # a call was streamed (its name and id sent), valid or not
+
+    def _route(self, deltas: list[dict], last: bool) -> list[dict]:
+        out: list[dict] = []
+        for d in deltas:
+            if "reasoning_content" in d:
+                self.reasoning_parts.append(d["reasoning_content"])
+                out.append(d)
+            else:
+                out += self._tools.feed(d["content"])
+        if last:
+            tail, called = self._tools.finish()
+            out += tail
+            self._announced = called == "tool_calls"
+            for e in self._tools.errors:
+                log.warning("a malformed tool call was left out of the answer: %s", e)
+        for d in out:
+            if "content" in d:
+                self.content_parts.append(d["content"])
+        return out
+
+    def feed(self, piece: str) -> list[dict]:
+        """The deltas (each a chunk's `choices[0].delta` less its role) for one more text piece."""
+        return self._route(self._reasoning.feed(piece), last=False) if piece else []
+
+    def finish(self) -> list[dict]:
+        """The last deltas (held-back text, the end of an open call)."""
+        return self._route(self._reasoning.finish(), last=True)
+
+    @property
+    def tool_calls(self) -> list[dict]:
+        """The valid calls, as a message carries them (id, type, function {name, arguments})."""
+        return [{k: v for k, v in c.items() if k != "index"} for c in self._tools.tool_calls]
+
+    @property
+    def reasoning_content(self) -> str | None:
+        """The thinking text; None when the answer had no thinking section."""
+        return "".join(self.reasoning_parts) if self._reasoning.had_reasoning else None
+
+    @property
+    def content(self) -> str:
+        return "".join(self.content_parts)
+
+    def finish_reason(self, raw: str | None, streamed: bool = False) -> str | None:
+        """"tool_calls" when the answer ended (not cut off) with calls (streamed: with a call announced, the
+        client has seen its deltas); else the generation's own."""
+        called = self._announced if streamed else bool(self.tool_calls)
+        return "tool_calls" if raw == "stop" and called else raw
+
+    def message(self) -> dict:
+        """The OpenAI assistant message (content null when the answer is only tool calls)."""
+        msg: dict = {"role": "assistant", "content": self.content}
+        if self.reasoning_content is not None:
+            msg["reasoning_content"] = self.reasoning_content
+        if self.tool_calls:
+            msg["tool_calls"] = self.tool_calls
+            msg["content"] = self.content or None
+        return msg
