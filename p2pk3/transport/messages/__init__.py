@@ -29,6 +29,7 @@ from .client import (
     parse_error,
     parse_status,
     parse_token,
+    parse_token_logprob,
     status_frame,
     token_frame,
 )
@@ -50,7 +51,7 @@ from .control import (
     route_frame,
     takeover_frame,
 )
-from .fields import MAX_SESSION_ID, ErrorCode
+from .fields import MAX_SESSION_ID, ErrorCode, TokenLogprob
 from .files import (
     FILE_CHUNK,
     FileChunk,
@@ -85,6 +86,7 @@ __all__ = [
     "ErrorCode",
     "MAX_SESSION_ID",
     "MAX_PROMPT",
+    "TokenLogprob",
     # ring
     "Segment",
     "Forward",
@@ -102,6 +104,7 @@ __all__ = [
     "GenerateRequest",
     "token_frame",
     "parse_token",
+    "parse_token_logprob",
     "Done",
     "done_frame",
     "parse_done",

@@ -9,7 +9,7 @@ from typing import Any
 from p2pk3.params import SamplingParams
 
 from ..codec import Frame, ProtocolError
-from .fields import brief, check_session, count, expect, finite, is_int
+from .fields import TokenLogprob, brief, check_session, count, expect, finite, is_int, logprob_list
 
 MAX_PROMPT = 1 << 20
 
@@ -18,15 +18,19 @@ MAX_PROMPT = 1 << 20
 class GenerateRequest:
     """`generate`: run `prompt` (token ids) and stream the continuation. `logits`: return every
     position's logits instead of sampling (with max_tokens 0: scoring). `incremental`: feed the prompt
-    one token per step (the decode path)."""
+    one token per step (the decode path). `generated`: the last `generated` ids of the prompt are output
+    of an earlier run of this request (a client resuming it at a new entry): the grammar and the
+    penalties count them as output, and prompt logprobs cover only the ids before them."""
 
     request_id: int
     prompt: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     logits: bool = False
     incremental: bool = False
+    generated: int = 0
 
     def frame(self) -> Frame:
+        extra = {"generated": int(self.generated)} if self.generated else {}
         return Frame.make(
             "generate",
             request_id=self.request_id,
@@ -34,6 +38,7 @@ class GenerateRequest:
             params=self.params.to_wire(),
             logits=self.logits,
             incremental=self.incremental,
+            **extra,
         )
 
     @classmethod
@@ -54,40 +59,63 @@ class GenerateRequest:
                 f"prompt must be a non-empty list of at most {MAX_PROMPT} token ids in 0..{vocab_size - 1}"
             )
         params = finite(SamplingParams.from_wire(h.get("params") or {}))
+        bad = [t for t, _ in params.logit_bias if t >= vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary 0..{vocab_size - 1}")
         flags = {k: h.get(k, False) for k in ("logits", "incremental")}
         for k, v in flags.items():
             if not isinstance(v, bool):
                 raise ValueError(f"{k} must be a bool")
-        return cls(rid, prompt, params, flags["logits"], flags["incremental"])
+        gen = h.get("generated", 0)
+        if not is_int(gen) or not 0 <= gen < len(prompt):
+            raise ValueError(f"generated must be an integer in 0..{len(prompt) - 1} (the prompt has {len(prompt)} ids)")
+        return cls(rid, prompt, params, flags["logits"], flags["incremental"], gen)
 
 
-def token_frame(request_id: int, session: str, token: int) -> Frame:
-    return Frame.make("token", request_id=request_id, session=session, token=int(token))
+def token_frame(request_id: int, session: str, token: int, logprob: TokenLogprob | None = None) -> Frame:
+    """One generated token; with `logprob` when the request asked for logprobs."""
+    extra = {"logprob": logprob.to_wire()} if logprob is not None else {}
+    return Frame.make("token", request_id=request_id, session=session, token=int(token), **extra)
 
 
 def parse_token(frame: Frame) -> tuple[int, str | int, int]:
-    """(request_id, session, token)."""
+    """(request_id, session, token). The logprob, when there is one: `parse_token_logprob`."""
     h = expect(frame, "token")
     check_session(h.get("session"), "token frame")
     return _request_id(h, "token frame"), h["session"], count(h.get("token"), "token frame: token")
 
 
+def parse_token_logprob(frame: Frame) -> TokenLogprob | None:
+    """The token's logprob entry (None when the request did not ask for logprobs)."""
+    v = expect(frame, "token").get("logprob")
+    return None if v is None else TokenLogprob.from_wire(v, "token frame: logprob")
+
+
 @dataclass
 class Done:
     """A parsed `done`: every generated token, the request's `stats` and the entry's status
-    (`stage_stats`); the logits, when asked, stay in the frame (`frame.array("logits")`)."""
+    (`stage_stats`); the logits, when asked, stay in the frame (`frame.array("logits")`).
+    `prompt_logprobs` (when the request asked): one entry per prompt token (the first has logprob None)."""
 
     request_id: int
     session: str | int
     tokens: list[int]
     stats: dict
     stage_stats: dict
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 def done_frame(
-    request_id: int, session: str, tokens: list[int], stats: dict, stage_stats: dict, logits: Any = None
+    request_id: int,
+    session: str,
+    tokens: list[int],
+    stats: dict,
+    stage_stats: dict,
+    logits: Any = None,
+    prompt_logprobs: list[TokenLogprob] | None = None,
 ) -> Frame:
     tensors = [("logits", logits)] if logits is not None else None
+    extra = {"prompt_logprobs": [e.to_wire() for e in prompt_logprobs]} if prompt_logprobs is not None else {}
     return Frame.make(
         "done",
         tensors,
@@ -96,6 +124,7 @@ def done_frame(
         tokens=[int(t) for t in tokens],
         stats=stats,
         stage_stats=stage_stats,
+        **extra,
     )
 
 
@@ -111,7 +140,9 @@ def parse_done(frame: Frame) -> Done:
         raise ProtocolError(f"{w}: stats and stage_stats must be maps")
     if frame.has("logits") and frame.desc("logits")["dtype"] != "float32":
         raise ProtocolError(f"{w}: logits must be float32, not {frame.desc('logits')['dtype']}")
-    return Done(_request_id(h, w), h["session"], tokens, stats, stage)
+    plp = h.get("prompt_logprobs")
+    plp = None if plp is None else logprob_list(plp, f"{w}: prompt_logprobs", MAX_PROMPT)
+    return Done(_request_id(h, w), h["session"], tokens, stats, stage, plp)
 
 
 def cancel_frame(request_id: int) -> Frame:

@@ -7,10 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from p2pk3.params import MAX_DRAFT, SamplingParams
+from p2pk3.params import MAX_DRAFT, MAX_LOGPROBS, SamplingParams
 
 from ..codec import Frame, ProtocolError
-from .fields import ErrorCode, check_session, expect, is_int, sampling
+from .fields import ErrorCode, TokenLogprob, check_session, expect, is_int, logprob_list, sampling
 
 
 # ------------------------------------------------------------------------------------------ segments
@@ -24,7 +24,15 @@ class Segment:
     `draft` (speculative decoding): the k token ids drafted after the session's last accepted token; the
     segment's tokens are then [last accepted, *draft] (n_tokens = k + 1), every stage keeps a rollback
     checkpoint for them, and the last stage verifies them (Result.accepted). A later segment of the session
-    whose start_pos is below what a stage holds rolls that stage back to start_pos."""
+    whose start_pos is below what a stage holds rolls that stage back to start_pos.
+
+    The last stage's sampler state (penalties, grammar, prompt logprobs: `SamplingParams.stateful`) needs
+    the session's token ids, which only the entry has. Segments of such a session carry `ids`: the ids at
+    positions start_pos .. start_pos + len(ids) - 1, i.e. the segment's own tokens (drafts excluded: they
+    are in `draft`) and, for a prefill chunk with more history after it, the next position's id (so the
+    chunk's last row can be scored); and `output_from`: the first position of the output (generated
+    tokens; the prompt is below it; after a replay the output so far is prefilled again). `prompt_logprobs`
+    (N, 0..20): return the logprobs of the prompt tokens this segment's rows predict, with the top N."""
 
     session: str | int
     epoch: int
@@ -33,6 +41,9 @@ class Segment:
     sample: SamplingParams | None = None
     want_logits: bool = False
     draft: tuple[int, ...] = ()
+    ids: tuple[int, ...] = ()
+    output_from: int = 0
+    prompt_logprobs: int | None = None
 
     def to_wire(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -47,6 +58,11 @@ class Segment:
             d["logits"] = True
         if self.draft:
             d["draft"] = [int(t) for t in self.draft]
+        if self.ids:
+            d["ids"] = [int(t) for t in self.ids]
+            d["output_from"] = int(self.output_from)
+        if self.prompt_logprobs is not None:
+            d["prompt_logprobs"] = int(self.prompt_logprobs)
         return d
 
     @classmethod
@@ -72,7 +88,21 @@ class Segment:
                 f"{where}: a draft of {len(draft)} tokens needs n_tokens = {len(draft) + 1} "
                 f"(got {d['n_tokens']}), sampling parameters and no logits"
             )
-        return cls(d["session"], d["epoch"], d["start_pos"], d["n_tokens"], sample, want, tuple(draft))
+        ids = d.get("ids", [])
+        n = d["n_tokens"] - len(draft)
+        if not isinstance(ids, list) or len(ids) > n + 1 or not all(is_int(t) and t >= 0 for t in ids):
+            raise ProtocolError(f"{where}: ids must be a list of at most {n + 1} non-negative token ids")
+        out_from = d.get("output_from", 0)
+        if not is_int(out_from) or out_from < 0:
+            raise ProtocolError(f"{where}: output_from must be a non-negative integer, got {out_from!r}")
+        plp = d.get("prompt_logprobs")
+        if plp is not None and (not is_int(plp) or not 0 <= plp <= MAX_LOGPROBS):
+            raise ProtocolError(f"{where}: prompt_logprobs must be an integer in 0..{MAX_LOGPROBS}, got {plp!r}")
+        if plp is not None and not ids:
+            raise ProtocolError(f"{where}: prompt_logprobs needs the segment's ids")
+        return cls(
+            d["session"], d["epoch"], d["start_pos"], d["n_tokens"], sample, want, tuple(draft), tuple(ids), out_from, plp
+        )
 
 
 def _segments(segs: Iterable[Segment]) -> list[dict[str, Any]]:
@@ -185,7 +215,11 @@ class Result:
 
     For a segment with a draft: `accepted` are the drafted tokens the target accepted (the longest prefix
     it would have produced itself), `token` the one it produced after them (at the first mismatch, or
-    after all k), at position `pos`; the session continues with accepted + [token]."""
+    after all k), at position `pos`; the session continues with accepted + [token].
+
+    `logprobs` (when the sampling parameters ask for them): one entry per token of `tokens`, in order.
+    `prompt_logprobs` (when the segment asked): entries for the prompt tokens at positions `prompt_from`,
+    `prompt_from` + 1, ... that the segment's rows predict. Only these small entries travel, never rows."""
 
     session: str | int
     epoch: int
@@ -196,6 +230,9 @@ class Result:
     error: str | None = None
     code: str | None = None  # with error: an ErrorCode (busy: the stage's cache is full)
     accepted: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_from: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -213,6 +250,11 @@ class Result:
         if self.error is not None:
             d["error"] = self.error
             d["code"] = self.code or ErrorCode.FAILED
+        if self.logprobs:
+            d["logprobs"] = [e.to_wire() for e in self.logprobs]
+        if self.prompt_logprobs:
+            d["prompt_logprobs"] = [e.to_wire() for e in self.prompt_logprobs]
+            d["prompt_from"] = int(self.prompt_from)
         return d
 
     @classmethod
@@ -236,7 +278,16 @@ class Result:
         acc = r.get("accepted", [])
         if not isinstance(acc, list) or len(acc) > MAX_DRAFT or not all(is_int(t) and t >= 0 for t in acc):
             raise ProtocolError(f"{where}: accepted must be a list of at most {MAX_DRAFT} non-negative token ids")
-        return cls(r["session"], r["epoch"], r["pos"], r["token"], skip, rows, err, code, tuple(acc))
+        lps = logprob_list(r.get("logprobs", []), f"{where}: logprobs", MAX_DRAFT + 1)
+        if lps and len(lps) != len(acc) + 1:
+            raise ProtocolError(f"{where}: {len(lps)} logprob entries for {len(acc) + 1} tokens")
+        plps = logprob_list(r.get("prompt_logprobs", []), f"{where}: prompt_logprobs", 1 << 20)
+        pfrom = r.get("prompt_from", 0)
+        if not is_int(pfrom) or pfrom < 0:
+            raise ProtocolError(f"{where}: prompt_from must be a non-negative integer, got {pfrom!r}")
+        return cls(
+            r["session"], r["epoch"], r["pos"], r["token"], skip, rows, err, code, tuple(acc), lps, plps, pfrom
+        )
 
 
 def result_frame(results: Iterable[Result], logits: Any = None) -> Frame:
