@@ -12,24 +12,31 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+from typing import Annotated
 
 import aiohttp
 import anthropic
+import jsonschema
 import openai
 import pytest
 from agent_model import AB, CB, CE, SB, SE, THINK, UNTHINK, agent_checkpoint
 
+from p2pk3.api import start_api_in_background
 from p2pk3.api.app import ApiConfig, create_app
 from p2pk3.engine.reference import default_model_dir
 from p2pk3.frontends.prompt import PromptBuilder
-from p2pk3.node.local import free_ports
+from p2pk3.node.local import LocalRing, free_ports
 from p2pk3.tokenizer import ChatTokenizer
 
 KEY = "sk-agents-0123456789"
 MODEL = "k3-agents"
 WEATHER = {
     "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1}},
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "days": {"type": "integer", "minimum": 1, "maximum": 14},
+    },
     "required": ["city", "days"],
     "additionalProperties": False,
 }
@@ -258,6 +265,42 @@ def test_agent_fields_are_checked_naming_them(tok):
     assert "no tool-call tokens" in body["error"]["message"]
 
 
+def test_forced_tool_choice_is_a_grammar_of_the_tool_call_section(tok):
+    """tool_choice required / named -> SamplingParams.grammar: the checkpoint's section with the chosen
+    tools' argument schemas (thinking first when the prompt opened it); auto -> no grammar."""
+    from p2pk3.agent.grammar import GrammarMatcher, GrammarTokenizer, matcher_for
+
+    cluster = ScriptedCluster(calls_output(tok))
+    named = {"type": "function", "function": {"name": "search"}}
+
+    async def go(url):
+        c = oai(url)
+        for kw in [
+            {"tool_choice": "required"},
+            {"tool_choice": named, "parallel_tool_calls": False},
+            {"tool_choice": "required", "reasoning_effort": "high"},
+            {"tool_choice": "auto"},
+        ]:
+            await c.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, **kw)
+
+    serve(tok, cluster, go)
+    grammars = [params.grammar for _, params in cluster.calls]
+    assert grammars[3] is None and all(g["type"] == "lark" for g in grammars[:3])
+    gtok = GrammarTokenizer(tok)
+
+    def accepts(grammar, ids) -> bool:
+        m: GrammarMatcher = matcher_for(gtok, grammar)
+        return m.validate(ids) == len(ids)
+
+    body = calls_output(tok)[len(tok.encode("Let me check.")) : -1]  # the section, both calls
+    one = script(tok, SB, CB, "functions.search:0", AB, ARGS2, CE, SE)[:-1]
+    assert accepts(grammars[0], body) and accepts(grammars[0], one)
+    assert not accepts(grammars[0], tok.encode("Let me check."))  # no content before the calls
+    assert accepts(grammars[1], one) and not accepts(grammars[1], body)  # named: search only, one call
+    thought = tok.encode("Both.") + [tok.special[UNTHINK]]
+    assert accepts(grammars[2], thought + body) and not accepts(grammars[2], body)
+
+
 # ---------------------------------------------------------------- Anthropic Messages (in-process)
 A_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
             "input_schema": t["function"]["parameters"]} for t in TOOLS]  # fmt: skip
@@ -385,3 +428,202 @@ def test_anthropic_errors_and_key(tok):
         assert status == 400 and body["type"] == "error", body
         assert body["error"]["type"] == "invalid_request_error" and body["error"]["message"].startswith(field + ":")
     assert out["model"][0] == 404 and out["model"][1]["error"]["type"] == "not_found_error"
+
+
+def test_anthropic_thinking_and_effort_reach_the_template(tok):
+    cluster = ScriptedCluster(script(tok, "Hmm.", UNTHINK, "Sure."))
+    ok = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+
+    async def go(url):
+        c = ant(url)
+        out = [await c.messages.create(**ok, thinking={"type": "enabled", "budget_tokens": 1024})]
+        out.append(await c.messages.create(**ok, output_config={"effort": "max"}))
+        out.append(await c.messages.create(**ok, thinking={"type": "disabled"}, output_config={"effort": "low"}))
+        out.append(await c.messages.create(**ok))
+        return out
+
+    out = serve(tok, cluster, go)
+    opened = [prompt[-1] == tok.special[THINK] for prompt, _ in cluster.calls]
+    assert opened == [True, True, False, False]
+    assert [b.type for b in out[0].content] == ["thinking", "text"] and out[0].content[0].thinking == "Hmm."
+    assert out[3].content[0].text == "Hmm." + UNTHINK + "Sure."  # no section opened: all text
+
+
+# ---------------------------------------------------------------- the live ring (slow)
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+NAMED = {"type": "function", "function": {"name": "search"}}
+
+
+@pytest.fixture(scope="module")
+def ring(model_dir, tmp_path_factory):
+    """3 stages and a standby (the last test kills the middle stage)."""
+    r = LocalRing(model_dir, 3, workdir=tmp_path_factory.mktemp("agent-ring"), standby=1)
+    r.start()
+    try:
+        yield r
+    finally:
+        r.stop()
+
+
+@pytest.fixture(scope="module")
+def api(ring, tmp_path_factory):
+    keyfile = tmp_path_factory.mktemp("agent-key") / "key"
+    keyfile.write_text(KEY + "\n")
+    a = start_api_in_background(ring.topology, "127.0.0.1", free_ports(1)[0], keyfile, model_name=MODEL)
+    try:
+        yield a
+    finally:
+        a.stop()
+
+
+@pytest.fixture(scope="module")
+def client(api):
+    return openai.OpenAI(base_url=api.url, api_key=KEY, max_retries=0, timeout=120)
+
+
+def valid_calls(calls) -> list[tuple[str, dict]]:
+    """(name, arguments) of each call, its arguments checked against its tool's schema."""
+    out = []
+    for c in calls:
+        args = json.loads(c.function.arguments)
+        jsonschema.validate(args, SCHEMAS[c.function.name])
+        out.append((c.function.name, args))
+    return out
+
+
+def streamed_calls(chunks) -> list[tuple[str, str, str]]:
+    calls: dict[int, list] = {}
+    for ch in chunks:
+        for tc in (ch.choices[0].delta.tool_calls or ()) if ch.choices else ():
+            if tc.id:
+                calls[tc.index] = [tc.id, tc.function.name, tc.function.arguments or ""]
+            else:
+                calls[tc.index][2] += tc.function.arguments
+    return [tuple(c) for c in calls.values()]
+
+
+@pytest.mark.slow
+def test_live_tool_choice_required_and_named_streamed(client):
+    kw = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 160, "temperature": 0}
+    req = client.chat.completions.create(tool_choice="required", **kw).choices[0]
+    assert req.finish_reason == "tool_calls" and req.message.tool_calls, req
+    assert {n for n, _ in valid_calls(req.message.tool_calls)} <= {"get_weather", "search"}
+    named = client.chat.completions.create(tool_choice=NAMED, parallel_tool_calls=False, **kw).choices[0]
+    assert named.finish_reason == "tool_calls" and [n for n, _ in valid_calls(named.message.tool_calls)] == ["search"]
+    chunks = list(client.chat.completions.create(tool_choice=NAMED, parallel_tool_calls=False, stream=True, **kw))
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert streamed_calls(chunks) == [
+        (c.id, c.function.name, c.function.arguments) for c in named.message.tool_calls
+    ]
+
+
+@pytest.mark.slow
+def test_openai_agents_sdk_runs_two_tools_to_a_final_answer(api):
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+    from pydantic import Field
+
+    set_tracing_disabled(True)  # no export to OpenAI's tracing service
+    ran = []
+
+    @function_tool
+    def get_weather(city: Annotated[str, Field(max_length=12)], days: Annotated[int, Field(ge=1, le=7)]) -> str:
+        """The weather in a city for some days."""
+        ran.append(("get_weather", city, days))
+        return f"sunny in {city} for {days} days"
+
+    @function_tool
+    def search(q: Annotated[str, Field(max_length=16)]) -> str:
+        """Search the Python docs."""
+        ran.append(("search", q))
+        return "a ring is a loop of nodes"
+
+    async def go():
+        oc = openai.AsyncOpenAI(base_url=api.url, api_key=KEY, max_retries=0, timeout=120)
+        try:
+            agent = Agent(
+                name="helper",
+                instructions="Use the tools, then answer.",
+                tools=[get_weather, search],
+                model=OpenAIChatCompletionsModel(model=MODEL, openai_client=oc),
+                # required: the embedded model never calls a tool on its own; the SDK resets the choice to
+                # auto once a tool ran (reset_tool_choice), so the next turn answers
+                model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=96),
+            )
+            return await Runner.run(agent, "What is the weather in Paris, and what is a ring?", max_turns=4)
+        finally:
+            await oc.close()
+
+    result = asyncio.run(asyncio.wait_for(go(), 300))
+    kinds = [item.type for item in result.new_items]
+    assert "tool_call_item" in kinds and "tool_call_output_item" in kinds, kinds
+    assert kinds[-1] == "message_output_item" and isinstance(result.final_output, str) and result.final_output
+    assert ran and all(r[0] in ("get_weather", "search") for r in ran), ran
+    assert len([k for k in kinds if k == "tool_call_output_item"]) == len(ran)
+
+
+@pytest.mark.slow
+def test_anthropic_client_messages_stream_and_tool_use(api, client):
+    c = anthropic.Anthropic(base_url=api.base_url, api_key=KEY, max_retries=0, timeout=120)
+    q = [{"role": "user", "content": "What does the yield keyword do?"}]
+    msg = c.messages.create(model=MODEL, max_tokens=32, messages=q)  # this client sends no temperature: greedy
+    same = client.chat.completions.create(model=MODEL, messages=q, max_tokens=32, temperature=0).choices[0]
+    assert msg.content[0].type == "text" and msg.content[0].text == same.message.content
+    assert msg.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[same.finish_reason]
+    with c.messages.stream(model=MODEL, max_tokens=32, messages=q) as s:
+        text = "".join(s.text_stream)
+        final = s.get_final_message()
+    assert text == msg.content[0].text and final.usage.output_tokens == msg.usage.output_tokens
+    tu = c.messages.create(
+        model=MODEL, max_tokens=160, messages=q, tools=A_TOOLS, tool_choice={"type": "tool", "name": "search"}
+    )
+    assert tu.stop_reason == "tool_use" and [b.type for b in tu.content] == ["tool_use"], tu
+    jsonschema.validate(tu.content[0].input, SEARCH)
+
+
+@pytest.mark.slow
+def test_tool_calls_and_reasoning_survive_a_killed_middle_stage(api, ring):
+    """Last of the ring tests: a forced tool call and a thinking answer, streamed, while the middle stage is
+    SIGKILLed mid-answer; the standby takes over and both answers are what they are undisturbed."""
+    bodies = [
+        {"messages": ASK, "tools": TOOLS, "tool_choice": NAMED, "max_tokens": 160},
+        {"messages": ASK, "reasoning_effort": "high", "max_tokens": 48, "extra_body": {"ignore_eos": True}},
+    ]
+
+    async def answer(c, body, seen: list):
+        parts = {"reasoning": "", "content": "", "calls": []}
+        chunks = []
+        s = await c.chat.completions.create(model=MODEL, temperature=0, stream=True, **body)
+        async for ch in s:
+            chunks.append(ch)
+            seen.append(1)
+            if ch.choices:
+                d = ch.choices[0].delta
+                parts["reasoning"] += (d.model_extra or {}).get("reasoning_content") or ""
+                parts["content"] += d.content or ""
+        parts["calls"] = streamed_calls(chunks)
+        parts["finish"] = chunks[-1].choices[0].finish_reason
+        return parts
+
+    async def run_all(kill: bool):
+        c = openai.AsyncOpenAI(base_url=api.url, api_key=KEY, max_retries=0, timeout=180)
+        seen = [[], []]
+        try:
+            tasks = [asyncio.create_task(answer(c, b, seen[i])) for i, b in enumerate(bodies)]
+            at_kill = None
+            if kill:
+                while min(map(len, seen)) < 4:
+                    await asyncio.sleep(0.01)
+                ring.signal(ring.topo.active[1].id, signal.SIGKILL)
+                at_kill = [len(x) for x in seen]
+            out = await asyncio.wait_for(asyncio.gather(*tasks), 180)
+            return out, at_kill, [len(x) for x in seen]
+        finally:
+            await c.close()
+
+    want, _, _ = asyncio.run(run_all(kill=False))
+    got, at_kill, total = asyncio.run(run_all(kill=True))
+    assert all(k < t for k, t in zip(at_kill, total)), (at_kill, total)  # killed mid-answer, both
+    assert got == want
+    assert want[0]["finish"] == "tool_calls" and want[0]["calls"][0][1] == "search"
+    jsonschema.validate(json.loads(want[0]["calls"][0][2]), SEARCH)
+    assert want[1]["reasoning"] and want[1]["content"] == "" and want[1]["finish"] == "length"

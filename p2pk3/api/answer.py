@@ -40,7 +40,7 @@ __all__ = ["AnswerFormats", "AnswerShaper", "with_grammar"]
 
 def with_grammar(params, lark: str):
     """SamplingParams that sample under the Lark grammar `lark` (on the last stage)."""
-    return replace(params, grammar={"lark": lark})
+    return replace(params, grammar={"type": "lark", "lark": lark, "what": "tool_choice"})
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,9 @@ turns whose content is a string or blocks: `text`, `tool_use` {id, name, input} 
 `tool_result` {tool_use_id, content, is_error} in user turns, `thinking` in assistant turns), `system` (a
 string or text blocks), `stop_sequences`, `temperature` [0, 1], `top_p`, `top_k`, `stream`, `tools`
 ({name, description, input_schema}), `tool_choice` ({"type": "auto" | "any" | "tool" | "none"}, `name`,
-`disable_parallel_tool_use`), `thinking` ({"type": "enabled"} or "disabled": the chat template's
-`reasoning_effort` "high" or "none"); `metadata` is accepted and ignored. Images, documents and server tools
+`disable_parallel_tool_use`), `thinking` ({"type": "enabled" | "adaptive" | "disabled"}) and
+`output_config.effort` (low ... max) as the chat template's `reasoning_effort` ("disabled": "none"; thinking
+without an effort: "high"; "max": "xhigh"); `metadata` is accepted and ignored. Images, documents and server tools
 are refused (400). The turns become the chat template's messages as the OpenAI route gives them (a
 tool_result block is a `role: "tool"` message, a tool_use block an assistant tool call with its input as
 JSON arguments), so a conversation means the same prompt by either API.
@@ -56,6 +57,7 @@ ERROR_TYPES = {
     529: "overloaded_error",
 }
 MAX_STOP_SEQUENCES = 16
+EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "xhigh", "max": "xhigh"}  # -> reasoning_effort
 
 
 def error_body(e: ApiError) -> dict:
@@ -184,6 +186,24 @@ def _tool_choice(v: Any, tools: list[dict] | None) -> tuple[str | dict, bool]:
     return {"type": "function", "function": {"name": name}}, parallel
 
 
+def _effort(body: dict) -> str | None:
+    """The chat template's reasoning_effort from `thinking` and `output_config.effort` (None: neither)."""
+    kinds = ("enabled", "adaptive", "disabled")
+    thinking = _opt(body, "thinking", lambda v: isinstance(v, dict) and v.get("type") in kinds,
+                    " or ".join(f'{{"type": "{k}"}}' for k in kinds))  # fmt: skip
+    oc = _opt(body, "output_config", lambda v: isinstance(v, dict), "an object") or {}
+    if oc.get("format") is not None:
+        raise bad_param("output_config.format", "structured outputs are not supported on /v1/messages")
+    effort = oc.get("effort")
+    if effort is not None and effort not in EFFORTS:
+        raise bad_param("output_config.effort", f"must be one of {', '.join(EFFORTS)}, got {effort!r}"[:300])
+    if thinking is not None and thinking["type"] == "disabled":
+        return "none"
+    if effort is not None:
+        return EFFORTS[effort]
+    return "high" if thinking is not None else None
+
+
 def _opt(body: dict, key: str, check, what: str):
     v = body.get(key)
     if v is not None and not check(v):
@@ -214,10 +234,7 @@ def parse_messages_request(body: Any, max_tokens_limit: int) -> GenRequest:
     req.messages = msgs
     req.tools = _tools(body.get("tools"))
     req.tool_choice, req.parallel_tool_calls = _tool_choice(body.get("tool_choice"), req.tools)
-    thinking = _opt(body, "thinking", lambda v: isinstance(v, dict) and v.get("type") in ("enabled", "disabled"),
-                    '{"type": "enabled"} or {"type": "disabled"}')
-    if thinking is not None:
-        req.reasoning_effort = "high" if thinking["type"] == "enabled" else "none"
+    req.reasoning_effort = _effort(body)
     stops = _opt(body, "stop_sequences", lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v),
                  "a list of strings")
     if stops is not None:
