@@ -264,6 +264,31 @@ def test_agent_fields_are_checked_naming_them(tok):
     assert status == 400 and body["error"]["param"] == "tool_choice", body
     assert "no tool-call tokens" in body["error"]["message"]
 
+    # a parameters schema the grammar engine cannot enforce (strict): refused before the ring sees it
+    unique = {"type": "object", "properties": {"ids": {"type": "array", "uniqueItems": True}}}
+    bad_tools = [{"type": "function", "function": {"name": "pick", "parameters": unique}}]
+
+    async def unenforceable(url):
+        async with aiohttp.ClientSession() as s:
+            body = {**q, "tools": bad_tools, "tool_choice": "required"}
+            async with s.post(url + "/v1/chat/completions", json=body) as r:
+                return r.status, await r.json()
+
+    cluster = ScriptedCluster([])
+    status, body = serve(tok, cluster, unenforceable)
+    assert status == 400 and body["error"]["param"] == "tool_choice" and "uniqueItems" in body["error"]["message"]
+    assert cluster.calls == []
+
+
+def test_the_api_imports_no_torch():
+    """`p2pk3 serve` starts without torch; the grammar engine (torch) loads only for a forced tool choice."""
+    import subprocess
+    import sys
+
+    code = "import sys, p2pk3.api.app; assert 'torch' not in sys.modules, 'torch imported'"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
 
 def test_forced_tool_choice_is_a_grammar_of_the_tool_call_section(tok):
     """tool_choice required / named -> SamplingParams.grammar: the checkpoint's section with the chosen

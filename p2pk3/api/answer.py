@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+import threading
+from dataclasses import replace
 
-from p2pk3.agent.reasoning import ReasoningFormat, ReasoningStream, discover_reasoning_format
+from p2pk3.agent.reasoning import ReasoningStream, discover_reasoning_format
 from p2pk3.agent.toolcalls import NoToolFormat, ToolCallFormat, ToolCallStream, discover_tool_format
-from p2pk3.agent.toolgrammar import tool_call_grammar
 
 log = logging.getLogger("p2pk3.api")
 
@@ -43,25 +43,36 @@ def with_grammar(params, lark: str):
     return replace(params, grammar={"type": "lark", "lark": lark, "what": "tool_choice"})
 
 
-@dataclass(frozen=True)
 class AnswerFormats:
     """One checkpoint's thinking and tool-call markers (each falsy, with its reason, when it has none)."""
 
-    tools: ToolCallFormat | NoToolFormat
-    reasoning: ReasoningFormat | object
-    special: Mapping[str, int]  # the tokenizer's special-token text -> id
-    decode_tail: object = None  # ids -> text, for a prompt whose thinking begin marker is plain text
+    def __init__(self, tok):
+        """tok: the checkpoint's ChatTokenizer (its templates' sources are where the markers must appear)."""
+        source = "\n".join(src for src, _ in tok.templates.values())
+        self.tok = tok
+        self.tools: ToolCallFormat | NoToolFormat = discover_tool_format(tok.special, source)
+        self.reasoning = discover_reasoning_format(tok.special, source)
+        self.special: Mapping[str, int] = dict(tok.special)  # special-token text -> id
+        self._gtok = None
+        self._gtok_lock = threading.Lock()
 
     @classmethod
     def of(cls, tok) -> AnswerFormats:
-        """The formats of a ChatTokenizer (its templates' sources are where the markers must appear)."""
-        source = "\n".join(src for src, _ in tok.templates.values())
-        return cls(
-            discover_tool_format(tok.special, source),
-            discover_reasoning_format(tok.special, source),
-            dict(tok.special),
-            lambda ids: tok.decode(ids, skip_special=False),
-        )
+        return cls(tok)
+
+    def decode_tail(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(ids, skip_special=False)
+
+    def check_grammar(self, grammar: Mapping) -> None:
+        """Compile a SamplingParams grammar against this tokenizer, as the last stage will; GrammarError
+        names what cannot be enforced. The engine's view of the tokenizer is built on first use (seconds
+        at a 160k vocabulary: call this off the event loop)."""
+        from p2pk3.agent.grammar import GrammarTokenizer, matcher_for
+
+        with self._gtok_lock:
+            if self._gtok is None:
+                self._gtok = GrammarTokenizer(self.tok)
+        matcher_for(self._gtok, grammar)
 
     def starts_inside(self, prompt_ids: Sequence[int]) -> bool:
         """Whether the prompt ends with the thinking begin marker (the output then starts as reasoning)."""
@@ -85,6 +96,8 @@ class AnswerFormats:
         GrammarError (naming the reason) when it cannot be enforced on this checkpoint."""
         if tool_choice in (None, "auto", "none"):
             return None
+        from p2pk3.agent.toolgrammar import tool_call_grammar  # torch (via the grammar engine): only when forced
+
         return tool_call_grammar(
             self.tools,
             tools,

@@ -324,7 +324,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     cfg = app[CONFIG]
     req = parse_messages_request(await json_body(request), app[PROMPTS].context_len)
     check_model(cfg, req.model)
-    gen, shape = start_generation(request, req, t_arrival)
+    gen, shape = await start_generation(request, req, t_arrival)
     meta = {"id": "msg_" + secrets.token_hex(12), "type": "message", "role": "assistant", "model": cfg.model_name}
     app[METRICS].in_flight.inc()
     try:

@@ -131,7 +131,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     cfg: ApiConfig = app[CONFIG]
     req = parse_request(await json_body(request), kind, app[PROMPTS].context_len)
     check_model(cfg, req.model)
-    gen, shape = start_generation(request, req, t_arrival)
+    gen, shape = await start_generation(request, req, t_arrival)
     meta = {
         "id": ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12),
         "created": int(time.time()),

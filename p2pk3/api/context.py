@@ -6,6 +6,7 @@ sampling and grammar whichever API it came by."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 
@@ -93,9 +94,12 @@ def check_model(cfg: ApiConfig, model: str | None) -> None:
         )
 
 
-def start_generation(request: web.Request, req: GenRequest, t_arrival: float) -> tuple[Generation, AnswerShaper | None]:
+async def start_generation(
+    request: web.Request, req: GenRequest, t_arrival: float
+) -> tuple[Generation, AnswerShaper | None]:
     """The request's Generation (not started) and, for chat, the shaper of its answer; tool_choice required /
-    named becomes the grammar the last stage samples under (400 naming tool_choice where it cannot)."""
+    named becomes the grammar the last stage samples under, compiled here first (400 naming tool_choice
+    where it cannot be enforced: no tool-call tokens, a parameters schema the engine refuses)."""
     app = request.app
     p = prompt_of(app, req)
     params, shape = p.params, None
@@ -104,10 +108,11 @@ def start_generation(request: web.Request, req: GenRequest, t_arrival: float) ->
         shape = formats.shaper(req.tools, req.tool_choice, p.ids)
         try:
             lark = formats.forced_grammar(req.tools, req.tool_choice, req.parallel_tool_calls, p.ids)
-        except ValueError as e:  # GrammarError: no tool-call tokens, a schema the engine cannot enforce
+            if lark is not None:
+                params = with_grammar(params, lark)
+                await asyncio.to_thread(formats.check_grammar, params.grammar)
+        except ValueError as e:  # GrammarError
             raise bad_param("tool_choice", str(e)) from None
-        if lark is not None:
-            params = with_grammar(params, lark)
     gen = Generation(
         app[CLUSTER],
         app[PROMPTS].tok,
