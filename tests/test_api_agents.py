@@ -474,6 +474,30 @@ def test_anthropic_thinking_and_effort_reach_the_template(tok):
     assert out[3].content[0].text == "Hmm." + UNTHINK + "Sure."  # no section opened: all text
 
 
+def test_anthropic_stream_ends_with_an_error_event_when_the_cluster_fails(tok):
+    from p2pk3.api.errors import from_cluster
+
+    class Failing(ScriptedCluster):
+        async def generate(self, prompt, params, on_token=None):
+            await super().generate(prompt, params, on_token)
+            raise from_cluster("unavailable", "slot s2 is down")
+
+    body = {"model": MODEL, "max_tokens": 8, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+
+    async def go(url):
+        async with aiohttp.ClientSession(headers={"x-api-key": KEY}) as s:
+            async with s.post(url + "/v1/messages", json=body) as r:
+                return r.status, await r.text()
+
+    status, text = serve(tok, Failing(tok.encode(" the") * 3), go, api_key=KEY)
+    events = [e.split("\n") for e in text.split("\n\n") if e]
+    names = [e[0].removeprefix("event: ") for e in events]
+    assert status == 200 and names[0] == "message_start" and names[-1] == "error", names
+    assert "content_block_delta" in names and "message_stop" not in names
+    err = json.loads(events[-1][1].removeprefix("data: "))
+    assert err["type"] == "error" and err["error"]["type"] == "api_error" and "slot s2 is down" in err["error"]["message"]
+
+
 # ---------------------------------------------------------------- the live ring (slow)
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 NAMED = {"type": "function", "function": {"name": "search"}}

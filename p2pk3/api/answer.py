@@ -1,7 +1,7 @@
 """The shape of a chat answer: generated text -> `reasoning_content`, `tool_calls` and `content`, complete and
 streamed, for the OpenAI chat route and the Anthropic Messages route alike.
 
-    formats = AnswerFormats.of(tok)                    # once per checkpoint: its thinking and tool-call markers
+    formats = AnswerFormats(tok)                       # once per checkpoint: its thinking and tool-call markers
     shape = formats.shaper(tools, tool_choice, prompt_ids)   # one per request
     shape.keep_ids                                     # special-token ids the decoder must keep (the markers)
     for piece in gen.pieces(): deltas = shape.feed(piece)      # [{"reasoning_content"}, {"content"},
@@ -13,7 +13,8 @@ The markers are the checkpoint's own (agent/reasoning.py, agent/toolcalls.py fin
 special tokens and in its chat template). The text goes through the thinking parser first; what is not
 reasoning goes through the tool-call parser; what is neither is content. A checkpoint without thinking
 tokens, or a request without tools (or with tool_choice "none"), is not parsed for them: its text is all
-content, exactly as before. A malformed tool call (bad JSON, unknown name, cut off) is left out of
+content, exactly as before (special tokens other than the markers are dropped from the text, as they always
+were). A malformed tool call (bad JSON, unknown name, cut off) is left out of
 tool_calls and logged.
 
 The output starts inside a thinking section when the prompt ends with the thinking begin marker (templates
@@ -26,8 +27,8 @@ checkpoint has it, may come first.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
 import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from p2pk3.agent.reasoning import ReasoningStream, discover_reasoning_format
@@ -56,13 +57,6 @@ class AnswerFormats:
         self._gtok = None
         self._gtok_lock = threading.Lock()
 
-    @classmethod
-    def of(cls, tok) -> AnswerFormats:
-        return cls(tok)
-
-    def decode_tail(self, ids: Sequence[int]) -> str:
-        return self.tok.decode(ids, skip_special=False)
-
     def check_grammar(self, grammar: Mapping) -> None:
         """Compile a SamplingParams grammar against this tokenizer, as the last stage will; GrammarError
         names what cannot be enforced. The engine's view of the tokenizer is built on first use (seconds
@@ -81,7 +75,7 @@ class AnswerFormats:
             return False
         if fmt.begin in self.special:
             return prompt_ids[-1] == self.special[fmt.begin]
-        return self.decode_tail(list(prompt_ids[-8:])).rstrip().endswith(fmt.begin)
+        return self.tok.decode(list(prompt_ids[-8:])).rstrip().endswith(fmt.begin)  # a plain-text marker
 
     def parses_tools(self, tools: Sequence[Mapping] | None, tool_choice) -> bool:
         return bool(self.tools) and bool(tools) and tool_choice != "none"

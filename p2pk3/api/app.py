@@ -232,7 +232,7 @@ def create_app(cluster, prompts: PromptBuilder, config: ApiConfig) -> web.Applic
     (p2pk3.api.cluster.Cluster); `prompts`: the model's PromptBuilder (its context length bounds requests)."""
     app = web.Application(middlewares=[_errors_and_metrics], client_max_size=MAX_BODY)
     app[CONFIG], app[CLUSTER], app[PROMPTS] = config, cluster, prompts
-    app[FORMATS] = AnswerFormats.of(prompts.tok)
+    app[FORMATS] = AnswerFormats(prompts.tok)
     app[METRICS] = ApiMetrics()
     app[STARTED] = int(time.time())
     app.router.add_get("/v1/models", models)
