@@ -324,6 +324,7 @@ def test_forced_tool_choice_is_a_grammar_of_the_tool_call_section(tok):
     assert accepts(grammars[1], one) and not accepts(grammars[1], body)  # named: search only, one call
     thought = tok.encode("Both.") + [tok.special[UNTHINK]]
     assert accepts(grammars[2], thought + body) and not accepts(grammars[2], body)
+    assert accepts(grammars[0], [tok.special[THINK]] + thought + body)  # the model may open a section itself
 
 
 # ---------------------------------------------------------------- Anthropic Messages (in-process)
