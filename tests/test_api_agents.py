@@ -155,6 +155,18 @@ def test_tool_calls_message_and_stream(tok):
     assert [(c["id"], c["name"], json.loads(c["args"])) for c in calls.values()] == [
         (tc.id, tc.function.name, json.loads(tc.function.arguments)) for tc in m.tool_calls
     ]
+    # parallel_tool_calls false: the first call only (the grammar enforces it when the call is forced)
+    async def one(url):
+        c = oai(url)
+        full = await c.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, parallel_tool_calls=False)
+        stream = await c.chat.completions.create(
+            model=MODEL, messages=ASK, tools=TOOLS, parallel_tool_calls=False, stream=True
+        )
+        return full, [ch async for ch in stream]
+
+    single, single_chunks = serve(tok, cluster, one)
+    assert [c.id for c in single.choices[0].message.tool_calls] == ["functions.get_weather:0"]
+    assert {tc.index for ch in single_chunks for tc in ch.choices[0].delta.tool_calls or ()} == {0}
     # the template was given the tools
     prompt = tok.decode(cluster.calls[0][0])
     assert "tool_declare" in prompt and '"get_weather"' in prompt

@@ -15,7 +15,7 @@ reasoning goes through the tool-call parser; what is neither is content. A check
 tokens, or a request without tools (or with tool_choice "none"), is not parsed for them: its text is all
 content, exactly as before (special tokens other than the markers are dropped from the text, as they always
 were). A malformed tool call (bad JSON, unknown name, cut off) is left out of
-tool_calls and logged.
+tool_calls and logged; so are the calls after the first with parallel_tool_calls false.
 
 The output starts inside a thinking section when the prompt ends with the thinking begin marker (templates
 whose generation prompt opens it, e.g. when `reasoning_effort` asks for thinking): then everything up to the
@@ -80,8 +80,11 @@ class AnswerFormats:
     def parses_tools(self, tools: Sequence[Mapping] | None, tool_choice) -> bool:
         return bool(self.tools) and bool(tools) and tool_choice != "none"
 
-    def shaper(self, tools: Sequence[Mapping] | None, tool_choice, prompt_ids: Sequence[int]) -> AnswerShaper:
-        return AnswerShaper(self, tools if self.parses_tools(tools, tool_choice) else None, prompt_ids)
+    def shaper(
+        self, tools: Sequence[Mapping] | None, tool_choice, prompt_ids: Sequence[int], parallel_tool_calls: bool = True
+    ) -> AnswerShaper:
+        tools = tools if self.parses_tools(tools, tool_choice) else None
+        return AnswerShaper(self, tools, prompt_ids, max_calls=None if parallel_tool_calls else 1)
 
     def forced_grammar(
         self, tools: Sequence[Mapping] | None, tool_choice, parallel_tool_calls: bool, prompt_ids: Sequence[int]
@@ -106,7 +109,15 @@ class AnswerFormats:
 class AnswerShaper:
     """One request's answer: text pieces in, OpenAI delta dicts out; the complete message at the end."""
 
-    def __init__(self, formats: AnswerFormats, tools: Sequence[Mapping] | None, prompt_ids: Sequence[int]):
+    def __init__(
+        self,
+        formats: AnswerFormats,
+        tools: Sequence[Mapping] | None,
+        prompt_ids: Sequence[int],
+        max_calls: int | None = None,
+    ):
+        """max_calls: 1 for parallel_tool_calls false (later calls are left out, and logged)."""
+        self.max_calls = max_calls
         self._reasoning = ReasoningStream(formats.reasoning, formats.starts_inside(prompt_ids))
         self._tools = ToolCallStream(formats.tools if tools else NoToolFormat("not asked"), tools)
         markers = [*(formats.reasoning.begin, formats.reasoning.end)] if formats.reasoning else []
@@ -130,10 +141,21 @@ class AnswerShaper:
             self._announced = called == "tool_calls"
             for e in self._tools.errors:
                 log.warning("a malformed tool call was left out of the answer: %s", e)
+        if self.max_calls is not None:
+            out = [d for d in (self._limit(d) for d in out) if d]
         for d in out:
             if "content" in d:
                 self.content_parts.append(d["content"])
         return out
+
+    def _limit(self, d: dict) -> dict:
+        """The delta without the calls past max_calls."""
+        if "tool_calls" not in d:
+            return d
+        calls = [c for c in d["tool_calls"] if c["index"] < self.max_calls]
+        if len(calls) < len(d["tool_calls"]) and any("id" in c for c in d["tool_calls"] if c not in calls):
+            log.warning("parallel_tool_calls is false: a call after the first was left out of the answer")
+        return {**d, "tool_calls": calls} if calls else {}
 
     def feed(self, piece: str) -> list[dict]:
         """The deltas (each a chunk's `choices[0].delta` less its role) for one more text piece."""
@@ -146,7 +168,8 @@ class AnswerShaper:
     @property
     def tool_calls(self) -> list[dict]:
         """The valid calls, as a message carries them (id, type, function {name, arguments})."""
-        return [{k: v for k, v in c.items() if k != "index"} for c in self._tools.tool_calls]
+        calls = self._tools.tool_calls[: self.max_calls]
+        return [{k: v for k, v in c.items() if k != "index"} for c in calls]
 
     @property
     def reasoning_content(self) -> str | None:

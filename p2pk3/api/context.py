@@ -105,7 +105,7 @@ async def start_generation(
     params, shape = p.params, None
     if req.kind == "chat":
         formats = app[FORMATS]
-        shape = formats.shaper(req.tools, req.tool_choice, p.ids)
+        shape = formats.shaper(req.tools, req.tool_choice, p.ids, req.parallel_tool_calls)
         try:
             lark = formats.forced_grammar(req.tools, req.tool_choice, req.parallel_tool_calls, p.ids)
             if lark is not None:
