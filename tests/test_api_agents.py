@@ -20,6 +20,7 @@ import anthropic
 import jsonschema
 import openai
 import pytest
+from pydantic import Field
 from agent_model import AB, CB, CE, SB, SE, THINK, UNTHINK, agent_checkpoint
 
 from p2pk3.api import start_api_in_background
@@ -339,6 +340,61 @@ def test_forced_tool_choice_is_a_grammar_of_the_tool_call_section(tok):
     assert accepts(grammars[0], [tok.special[THINK]] + thought + body)  # the model may open a section itself
 
 
+def agent_tools(ran: list):
+    """The two function tools of the agents-SDK tests (strings bounded, so a forced call always ends)."""
+    from agents import function_tool
+
+    @function_tool
+    def get_weather(city: Annotated[str, Field(max_length=12)], days: Annotated[int, Field(ge=1, le=7)]) -> str:
+        """The weather in a city for some days."""
+        ran.append(("get_weather", city, days))
+        return f"sunny in {city} for {days} days"
+
+    @function_tool
+    def search(q: Annotated[str, Field(max_length=16)]) -> str:
+        """Search the Python docs."""
+        ran.append(("search", q))
+        return "a ring is a loop of nodes"
+
+    return [get_weather, search]
+
+
+async def run_agent(base_url: str, ran: list, max_tokens: int):
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, set_tracing_disabled
+
+    set_tracing_disabled(True)  # no export to OpenAI's tracing service
+    oc = openai.AsyncOpenAI(base_url=base_url, api_key=KEY, max_retries=0, timeout=120)
+    try:
+        agent = Agent(
+            name="helper",
+            instructions="Use the tools, then answer.",
+            tools=agent_tools(ran),
+            model=OpenAIChatCompletionsModel(model=MODEL, openai_client=oc),
+            # required: the embedded model never calls a tool on its own; the SDK resets the choice to auto
+            # once a tool ran (reset_tool_choice), so the next turn answers
+            model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=max_tokens),
+        )
+        return await Runner.run(agent, "What is the weather in Paris, and what is a ring?", max_turns=4)
+    finally:
+        await oc.close()
+
+
+def test_openai_agents_sdk_loop_on_a_scripted_model(tok):
+    """The agents SDK's whole loop through the API: both tools called (parallel), run, their results sent
+    back as tool messages, then the final answer."""
+    args = '{"city": "Paris", "days": 2}', '{"q": "ring"}'
+    calls = script(tok, SB, CB, "functions.get_weather:0", AB, args[0], CE, CB, "functions.search:1", AB, args[1], CE, SE)
+    cluster = ScriptedCluster(calls, script(tok, "Sunny; a ring is a loop."))
+    ran: list = []
+    result = serve(tok, cluster, lambda url: run_agent(url + "/v1", ran, 64))
+    assert ran == [("get_weather", "Paris", 2), ("search", "ring")]
+    assert result.final_output == "Sunny; a ring is a loop."
+    assert [p.grammar is not None for _, p in cluster.calls] == [True, False]  # required, then reset to auto
+    second = tok.decode(cluster.calls[1][0])
+    assert "## Return of functions.get_weather:0\nsunny in Paris for 2 days" in second
+    assert "## Return of functions.search:1\na ring is a loop of nodes" in second
+
+
 # ---------------------------------------------------------------- Anthropic Messages (in-process)
 A_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
             "input_schema": t["function"]["parameters"]} for t in TOOLS]  # fmt: skip
@@ -581,46 +637,13 @@ def test_live_tool_choice_required_and_named_streamed(client):
 
 @pytest.mark.slow
 def test_openai_agents_sdk_runs_two_tools_to_a_final_answer(api):
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
-    from pydantic import Field
-
-    set_tracing_disabled(True)  # no export to OpenAI's tracing service
-    ran = []
-
-    @function_tool
-    def get_weather(city: Annotated[str, Field(max_length=12)], days: Annotated[int, Field(ge=1, le=7)]) -> str:
-        """The weather in a city for some days."""
-        ran.append(("get_weather", city, days))
-        return f"sunny in {city} for {days} days"
-
-    @function_tool
-    def search(q: Annotated[str, Field(max_length=16)]) -> str:
-        """Search the Python docs."""
-        ran.append(("search", q))
-        return "a ring is a loop of nodes"
-
-    async def go():
-        oc = openai.AsyncOpenAI(base_url=api.url, api_key=KEY, max_retries=0, timeout=120)
-        try:
-            agent = Agent(
-                name="helper",
-                instructions="Use the tools, then answer.",
-                tools=[get_weather, search],
-                model=OpenAIChatCompletionsModel(model=MODEL, openai_client=oc),
-                # required: the embedded model never calls a tool on its own; the SDK resets the choice to
-                # auto once a tool ran (reset_tool_choice), so the next turn answers
-                model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=96),
-            )
-            return await Runner.run(agent, "What is the weather in Paris, and what is a ring?", max_turns=4)
-        finally:
-            await oc.close()
-
-    result = asyncio.run(asyncio.wait_for(go(), 300))
+    ran: list = []
+    result = asyncio.run(asyncio.wait_for(run_agent(api.url, ran, 96), 300))
     kinds = [item.type for item in result.new_items]
     assert "tool_call_item" in kinds and "tool_call_output_item" in kinds, kinds
     assert kinds[-1] == "message_output_item" and isinstance(result.final_output, str) and result.final_output
     assert ran and all(r[0] in ("get_weather", "search") for r in ran), ran
-    assert len([k for k in kinds if k == "tool_call_output_item"]) == len(ran)
+    assert kinds.count("tool_call_output_item") == len(ran)
 
 
 @pytest.mark.slow
