@@ -29,6 +29,7 @@ from aiohttp import web
 from p2pk3.frontends.prompt import Prompt, PromptBuilder, PromptError
 
 from .errors import ApiError, bad_param
+from . import logprobs as lp_fmt
 from .generation import Generation
 from .metrics import ApiMetrics
 from .schema import GenRequest, parse_request
@@ -50,6 +51,8 @@ CLUSTER = web.AppKey("cluster", object)
 PROMPTS = web.AppKey("prompts", PromptBuilder)
 METRICS = web.AppKey("metrics", ApiMetrics)
 STARTED = web.AppKey("started", int)
+VOCAB = web.AppKey("vocab", object)  # lp_fmt.Vocab, made on the first request with logprobs
+GRAMMAR = web.AppKey("grammar", object)  # the GrammarTokenizer checking response_format, made on first use
 
 
 def _route_of(request: web.Request) -> str:
@@ -153,6 +156,9 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
             code="model_not_found",
         )
     p = _prompt(app, req)
+    _check_grammar(app, req)
+    if req.stream and req.echo and req.logprobs is not None:
+        raise bad_param("echo", "echo with logprobs is not supported when streaming (prompt logprobs come at the end)")
     route = _route_of(request)
     gen = Generation(app[CLUSTER], app[PROMPTS].tok, p.ids, p.params, req.stop, app[METRICS], route, t_arrival)
     meta = {
@@ -167,22 +173,53 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
                 return await _stream(request, req, gen, meta)
             async for _ in gen.pieces():
                 pass
-            return web.json_response(_full_response(kind, gen, meta))
+            return web.json_response(_full_response(kind, gen, meta, req, app))
     finally:
         app[METRICS].in_flight.dec()
 
 
-def _full_response(kind: str, gen: Generation, meta: dict) -> dict:
+def _vocab(app) -> lp_fmt.Vocab:
+    if VOCAB not in app:
+        app[VOCAB] = lp_fmt.Vocab.of(app[PROMPTS].tok)
+    return app[VOCAB]
+
+
+def _check_grammar(app, req: GenRequest) -> None:
+    """response_format compiled here once, so a schema the engine refuses is a 400 naming the field."""
+    if req.response_format is None:
+        return
+    from p2pk3.agent.grammar import GrammarError, GrammarMatcher, GrammarTokenizer
+
+    if GRAMMAR not in app:
+        app[GRAMMAR] = GrammarTokenizer(app[PROMPTS].tok)
+    try:
+        GrammarMatcher(app[GRAMMAR], req.response_format)
+    except GrammarError as e:
+        raise bad_param("response_format", str(e)[:500]) from None
+
+
+def _prompt_text(app, req: GenRequest) -> str:
+    if isinstance(req.prompt, str):
+        return req.prompt
+    return app[PROMPTS].tok.decode(list(req.prompt))
+
+
+def _full_response(kind: str, gen: Generation, meta: dict, req: GenRequest, app) -> dict:
     if kind == "chat":
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": gen.text},
-            "logprobs": None,
+            "logprobs": lp_fmt.chat_choice(gen, _vocab(app)) if req.logprobs is not None else None,
             "finish_reason": gen.finish_reason,
         }
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": gen.text, "logprobs": None, "finish_reason": gen.finish_reason}
+        prompt = _prompt_text(app, req) if req.echo or req.logprobs is not None else ""
+        lps = None
+        if req.logprobs is not None:
+            lps = lp_fmt.completion_choice(gen, _vocab(app), req.echo, 0 if req.echo else len(prompt))
+        text = prompt + gen.text if req.echo else gen.text
+        choice = {"index": 0, "text": text, "logprobs": lps, "finish_reason": gen.finish_reason}
         obj = "text_completion"
     return {**meta, "object": obj, "choices": [choice], "usage": gen.usage(), "system_fingerprint": None}
 
@@ -192,12 +229,26 @@ async def _stream(request: web.Request, req: GenRequest, gen: Generation, meta: 
     obj = "chat.completion.chunk" if chat else "text_completion"
     extra = {"usage": None} if req.include_usage else {}
 
+    offset = [len(_prompt_text(request.app, req))] if not chat and req.logprobs is not None else [0]
+
+    def logprobs(piece: str | None):
+        if req.logprobs is None:
+            return None
+        entries = gen.take_logprobs()
+        if piece is None and not entries:
+            return None
+        if chat:
+            return lp_fmt.chat_delta(entries, _vocab(request.app))
+        d = lp_fmt.completion_delta(entries, _vocab(request.app), offset[0])
+        offset[0] += len(piece or "")
+        return d
+
     def chunk(piece: str | None, finish: str | None = None, first: bool = False) -> dict:
         if chat:
             delta = {"role": "assistant", "content": ""} if first else ({} if piece is None else {"content": piece})
-            c = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            c = {"index": 0, "delta": delta, "logprobs": logprobs(piece), "finish_reason": finish}
         else:
-            c = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
+            c = {"index": 0, "text": piece or "", "logprobs": logprobs(piece), "finish_reason": finish}
         return {**meta, "object": obj, "system_fingerprint": None, "choices": [c], **extra}
 
     pieces = gen.pieces()
@@ -217,6 +268,8 @@ async def _send_stream(request, req: GenRequest, gen: Generation, pieces, chunk,
     await sse.open()
     if chat:
         await sse.send(chunk(None, first=True))
+    elif req.echo:
+        await sse.send(chunk(_prompt_text(request.app, req)))
     try:
         if first:
             await sse.send(chunk(first))
