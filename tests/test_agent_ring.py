@@ -105,7 +105,7 @@ def test_ring_samples_as_one_process(ring, ref, prompts):
     want = [want[order.index(c)] for c in cases]
     want_lps = [want_lps[order.index(c)] for c in cases]
     print("tokens per case:", [len(w) for w in want])
-    for (ids, p), r, w, wl in zip(cases, got, want, want_lps):
+    for (_, p), r, w, wl in zip(cases, got, want, want_lps):
         assert not isinstance(r, RequestError), r
         assert r.tokens == w, p
         if p.logprobs is not None:
