@@ -239,3 +239,48 @@ def _check_grammar(g: Any) -> None:
         raise ValueError(f"grammar must be plain JSON data: {e}") from None
     if n > MAX_GRAMMAR_BYTES:
         raise ValueError(f"grammar is {n} bytes of JSON, at most {MAX_GRAMMAR_BYTES}")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log probability as the sampler reports it and the wire carries it (results, token and
+    done frames): the token id, its logprob (None: no distribution, the first prompt token) and the top-N
+    ids with their logprobs (N = the request's logprobs / prompt_logprobs). Wire: [token, logprob, [ids],
+    [logprobs]]; logprobs are finite and <= 0 (p2pk3.agent.logprobs writes -inf as -9999.0)."""
+
+    token: int
+    logprob: float | None
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+    def to_wire(self) -> list:
+        return [int(self.token), self.logprob, [int(t) for t in self.top_ids], [float(x) for x in self.top_logprobs]]
+
+    @classmethod
+    def from_wire(cls, v: Any) -> "TokenLogprob":
+        """Raises ValueError naming what is wrong."""
+        if not isinstance(v, (list, tuple)) or len(v) != 4:
+            raise ValueError(f"a logprob entry is [token, logprob, [ids], [logprobs]], got {str(v)[:40]}")
+        tok, lp, ids, lps = v
+        if not _is_int(tok) or tok < 0:
+            raise ValueError(f"token must be a non-negative integer, got {tok!r}")
+        if lp is not None and not _logprob(lp):
+            raise ValueError(f"logprob must be a finite number <= 0 or nil, got {lp!r}")
+        if (
+            not isinstance(ids, (list, tuple))
+            or not isinstance(lps, (list, tuple))
+            or len(ids) != len(lps)
+            or len(ids) > MAX_LOGPROBS
+            or not all(_is_int(t) and t >= 0 for t in ids)
+            or not all(_logprob(x) for x in lps)
+        ):
+            raise ValueError(f"top ids and logprobs must be two lists of equal length, at most {MAX_LOGPROBS}")
+        return cls(tok, None if lp is None else float(lp), tuple(ids), tuple(float(x) for x in lps))
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _logprob(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x <= 0

@@ -46,7 +46,7 @@ from .context import (
     route_of,
     start_generation,
 )
-from .errors import ApiError
+from .errors import ApiError, bad_param
 from .generation import Generation
 from .metrics import ApiMetrics
 from .schema import GenRequest, parse_request
@@ -55,6 +55,7 @@ from .sse import SSE
 log = logging.getLogger("p2pk3.api")
 
 MAX_BODY = 16 << 20
+VOCAB = web.AppKey("vocab", object)  # api/logprobs.Vocab, made on the first request with logprobs
 
 
 @web.middleware
@@ -131,6 +132,8 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     cfg: ApiConfig = app[CONFIG]
     req = parse_request(await json_body(request), kind, app[PROMPTS].context_len)
     check_model(cfg, req.model)
+    if req.stream and req.echo and req.logprobs is not None:
+        raise bad_param("echo", "echo with logprobs is not supported when streaming (prompt logprobs come at the end)")
     gen, shape = await start_generation(request, req, t_arrival)
     meta = {
         "id": ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12),
@@ -147,22 +150,45 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
                     shape.feed(piece)
             if shape is not None:
                 shape.finish()
-            return web.json_response(_full_response(kind, gen, shape, meta))
+            return web.json_response(_full_response(kind, gen, shape, meta, req, app))
     finally:
         app[METRICS].in_flight.dec()
 
 
-def _full_response(kind: str, gen: Generation, shape: AnswerShaper | None, meta: dict) -> dict:
+def _lp_fmt():
+    from . import logprobs  # torch (agent/logprobs.py): loaded for the first request with logprobs only
+
+    return logprobs
+
+
+def _vocab(app):
+    if VOCAB not in app:
+        app[VOCAB] = _lp_fmt().Vocab.of(app[PROMPTS].tok)
+    return app[VOCAB]
+
+
+def _prompt_text(app, req: GenRequest) -> str:
+    if isinstance(req.prompt, str):
+        return req.prompt
+    return app[PROMPTS].tok.decode(list(req.prompt))
+
+
+def _full_response(kind: str, gen: Generation, shape: AnswerShaper | None, meta: dict, req: GenRequest, app) -> dict:
     if kind == "chat":
         choice = {
             "index": 0,
             "message": shape.message(),
-            "logprobs": None,
+            "logprobs": _lp_fmt().chat_choice(gen, _vocab(app)) if req.logprobs is not None else None,
             "finish_reason": shape.finish_reason(gen.finish_reason),
         }
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": gen.text, "logprobs": None, "finish_reason": gen.finish_reason}
+        prompt = _prompt_text(app, req) if req.echo or req.logprobs is not None else ""
+        lps = None
+        if req.logprobs is not None:
+            lps = _lp_fmt().completion_choice(gen, _vocab(app), req.echo, 0 if req.echo else len(prompt))
+        text = prompt + gen.text if req.echo else gen.text
+        choice = {"index": 0, "text": text, "logprobs": lps, "finish_reason": gen.finish_reason}
         obj = "text_completion"
     return {**meta, "object": obj, "choices": [choice], "usage": gen.usage(), "system_fingerprint": None}
 
@@ -173,12 +199,27 @@ async def _stream(
     chat = req.kind == "chat"
     obj = "chat.completion.chunk" if chat else "text_completion"
     extra = {"usage": None} if req.include_usage else {}
+    offset = [len(_prompt_text(request.app, req))] if not chat and req.logprobs is not None else [0]
 
-    def chunk(delta: dict | str | None, finish: str | None = None) -> dict:
+    def logprobs(text: str | None):
+        """The logprobs of the tokens not yet sent (the chunk that goes out now carries them)."""
+        if req.logprobs is None:
+            return None
+        entries = gen.take_logprobs()
+        if text is None and not entries:
+            return None
         if chat:
-            c = {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish}
+            return _lp_fmt().chat_delta(entries, _vocab(request.app))
+        d = _lp_fmt().completion_delta(entries, _vocab(request.app), offset[0])
+        offset[0] += len(text or "")
+        return d
+
+    def chunk(delta: dict | str | None, finish: str | None = None, first: bool = False) -> dict:
+        if chat:
+            lps = None if first else logprobs(delta.get("content", "") if delta else None)
+            c = {"index": 0, "delta": delta or {}, "logprobs": lps, "finish_reason": finish}
         else:
-            c = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            c = {"index": 0, "text": delta or "", "logprobs": logprobs(delta), "finish_reason": finish}
         return {**meta, "object": obj, "system_fingerprint": None, "choices": [c], **extra}
 
     def chunks(piece: str) -> list[dict]:
@@ -195,7 +236,9 @@ async def _stream(
         sse = SSE(request)
         await sse.open()
         if chat:
-            await sse.send(chunk({"role": "assistant", "content": ""}))
+            await sse.send(chunk({"role": "assistant", "content": ""}, first=True))
+        elif req.echo:
+            await sse.send(chunk(_prompt_text(request.app, req)))
         try:
             for c in chunks(first or ""):
                 await sse.send(c)

@@ -97,22 +97,28 @@ def check_model(cfg: ApiConfig, model: str | None) -> None:
 async def start_generation(
     request: web.Request, req: GenRequest, t_arrival: float
 ) -> tuple[Generation, AnswerShaper | None]:
-    """The request's Generation (not started) and, for chat, the shaper of its answer; tool_choice required /
-    named becomes the grammar the last stage samples under, compiled here first (400 naming tool_choice
-    where it cannot be enforced: no tool-call tokens, a parameters schema the engine refuses)."""
+    """The request's Generation (not started) and, for chat, the shaper of its answer. tool_choice required /
+    named becomes the grammar the last stage samples under (instead of a response_format's); a grammar is
+    compiled here first, so one that cannot be enforced (no tool-call tokens, a schema the engine refuses) is
+    a 400 naming tool_choice or response_format."""
     app = request.app
     p = prompt_of(app, req)
-    params, shape = p.params, None
+    params, shape, lark = p.params, None, None
     if req.kind == "chat":
         formats = app[FORMATS]
         shape = formats.shaper(req.tools, req.tool_choice, p.ids, req.parallel_tool_calls)
         try:
             lark = formats.forced_grammar(req.tools, req.tool_choice, req.parallel_tool_calls, p.ids)
-            if lark is not None:
-                params = with_grammar(params, lark)
-                await asyncio.to_thread(formats.check_grammar, params.grammar)
         except ValueError as e:  # GrammarError
             raise bad_param("tool_choice", str(e)) from None
+        if lark is not None:  # the answer is the calls: a response_format applies to content, which has none
+            params = with_grammar(params, lark)
+    if params.grammar is not None:
+        field = "tool_choice" if req.kind == "chat" and lark is not None else "response_format"
+        try:
+            await asyncio.to_thread(app[FORMATS].check_grammar, params.grammar)
+        except ValueError as e:  # GrammarError: a schema the engine refuses
+            raise bad_param(field, str(e)[:500]) from None
     gen = Generation(
         app[CLUSTER],
         app[PROMPTS].tok,

@@ -13,6 +13,10 @@ stop-sequence matcher. A stop id (end of turn / EOS) ends the text: finish_reaso
 session itself). A stop *sequence* match ends the text before it, and cancels the request in the ring (its
 caches are freed). Running out of `max_tokens` is finish_reason "length". A cluster error before the first
 token or during the stream is raised as ApiError from `pieces()`.
+
+Logprobs (when the params ask): each token's `TokenLogprob` arrives with it; `logprobs` holds those of the
+tokens that are part of the answer (not a stop id, nothing after a stop sequence), `take_logprobs()` the
+ones not yet sent (a stream chunk carries those); `prompt_logprobs` (echo) is the reply's, once done.
 """
 
 from __future__ import annotations
@@ -51,6 +55,9 @@ class Generation:
         self._q: asyncio.Queue = asyncio.Queue()
         self._task: asyncio.Task | None = None
         self._t_last: float | None = None
+        self._arrived: list = []  # TokenLogprob per token received (on_logprob comes right after on_token)
+        self.logprobs: list = []  # those of the answer's tokens
+        self._sent_lps = 0
 
     @property
     def prompt_tokens(self) -> int:
@@ -65,7 +72,13 @@ class Generation:
 
     async def __aenter__(self) -> "Generation":
         self._task = asyncio.ensure_future(
-            self.cluster.generate(self.prompt_ids, self.params, on_token=self._q.put_nowait)
+            self.cluster.generate(
+                self.prompt_ids,
+                self.params,
+                on_token=self._q.put_nowait,
+                # only when asked: a cluster (or a test's stand-in) without logprobs needs no such callback
+                **({"on_logprob": lambda _t, lp: self._arrived.append(lp)} if self.params.logprobs is not None else {}),
+            )
         )
         self._task.add_done_callback(lambda _: self._q.put_nowait(_DONE))
         self.metrics.prompt.labels(self.route).inc(self.prompt_tokens)
@@ -110,11 +123,16 @@ class Generation:
                 self.finish_reason = "stop"
                 yield self._emit(self.matcher.push(dec.flush()) + self.matcher.flush())
                 continue
+            if self.completion_tokens <= len(self._arrived):
+                self.logprobs.append(self._arrived[self.completion_tokens - 1])
             text = self.matcher.push(dec.push(last))
             if self.matcher.stopped is not None:
                 self.finish_reason = "stop"
                 yield self._emit(text)
-                await self.cancel()
+                if self.params.prompt_logprobs is None:
+                    await self.cancel()
+                    return
+                await asyncio.wait([self._task])  # echo: the prompt's logprobs come with the reply's end
                 return
             yield self._emit(text)
         exc = self._task.exception() if not self._task.cancelled() else None
@@ -131,6 +149,20 @@ class Generation:
             )
             if tail:
                 yield self._emit(tail)
+
+    def take_logprobs(self) -> list:
+        """The answer's logprob entries not taken yet (what the next stream chunk carries)."""
+        out = self.logprobs[self._sent_lps :]
+        self._sent_lps = len(self.logprobs)
+        return out
+
+    @property
+    def prompt_logprobs(self) -> list | None:
+        """The prompt tokens' logprob entries (echo), once the request is done; None when not asked."""
+        t = self._task
+        if t is None or not t.done() or t.cancelled() or t.exception() is not None:
+            return None
+        return t.result().prompt_logprobs
 
     def _emit(self, text: str) -> str:
         if text:

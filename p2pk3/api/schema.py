@@ -10,9 +10,15 @@ without), `parallel_tool_calls` (default true), `reasoning_effort` (passed to th
 messages agents send back: assistant `tool_calls` (content may then be null) and `reasoning_content`,
 `role: "tool"` results with their `tool_call_id`. The sampling fields land in `GenRequest.sampling` (a `SamplingOverrides`: unset fields
 take the checkpoint's generation_config defaults, p2pk3/frontends/prompt.py) with the ranges the CLI
-options have (p2pk3/params.py). Fields that would change the
-output in a way this server does not implement (`logprobs`, `echo`, `suffix`, `best_of` > 1, non-zero
-penalties, `logit_bias`) are refused rather than ignored. Other unknown fields are ignored, as OpenAI does.
+options have (p2pk3/params.py).
+
+Issue 24's sampling fields (`_agent_sampling`): `frequency_penalty`, `presence_penalty` [-2, 2],
+`logit_bias` ({"id": bias in [-100, 100]}), vLLM's `repetition_penalty` (> 0) and `min_p` [0, 1];
+`response_format` (text, json_object, json_schema with `strict`: the grammar the last stage masks with);
+chat `logprobs` (bool) + `top_logprobs` [0, 20]; completions `logprobs` (int [0, 20]) and `echo` (the
+prompt in the text, and its tokens' logprobs with `logprobs`). Fields that would change the output in a
+way this server does not implement (`suffix`, `best_of` > 1) are refused rather than ignored. Other
+unknown fields are ignored, as OpenAI does.
 """
 
 from __future__ import annotations
@@ -21,7 +27,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from p2pk3.frontends.prompt import SamplingOverrides
-from p2pk3.params import DEFAULT_DRAFT, MAX_DRAFT, MAX_SEED, MAX_TEMPERATURE, SPEC_METHODS
+from p2pk3.params import (
+    DEFAULT_DRAFT,
+    LOGIT_BIAS_LIMIT,
+    MAX_DRAFT,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_SEED,
+    MAX_TEMPERATURE,
+    SPEC_METHODS,
+)
 
 from .errors import bad_param
 
@@ -46,6 +61,9 @@ class GenRequest:
     sampling: SamplingOverrides = field(default_factory=SamplingOverrides)  # max_tokens, temperature, ...
     max_tokens_field: str = "max_tokens"  # the name the request gave it (chat: or max_completion_tokens)
     stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None  # top N per generated token (chat: top_logprobs when logprobs is true)
+    echo: bool = False  # completions: the prompt in the text (and its logprobs with `logprobs`)
+    response_format: dict | None = None  # json_object / json_schema (None: text)
 
 
 def _is_int(v) -> bool:
@@ -203,21 +221,74 @@ def _stop(v: Any) -> list[str]:
 
 
 def _refuse_unsupported(body: dict, kind: str) -> None:
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
-        raise bad_param("logprobs", "log probabilities are not supported by this server")
     if kind == "completion":
-        if body.get("echo") not in (None, False):
-            raise bad_param("echo", "echo is not supported by this server")
         if body.get("suffix") is not None:
             raise bad_param("suffix", "suffix is not supported by this server")
         if body.get("best_of") not in (None, 1):
             raise bad_param("best_of", "only best_of = 1 is supported")
-    for k in ("presence_penalty", "frequency_penalty"):
-        v = body.get(k)
-        if v is not None and (not _is_num(v) or v != 0):
-            raise bad_param(k, "only 0 is supported (no penalties)")
-    if body.get("logit_bias"):
-        raise bad_param("logit_bias", "logit_bias is not supported by this server")
+
+
+def _logit_bias(v) -> tuple[tuple[int, float], ...]:
+    if v is None:
+        return ()
+    if not isinstance(v, dict):
+        raise bad_param("logit_bias", 'must be an object mapping token ids to biases, e.g. {"50256": -100}')
+    if len(v) > MAX_LOGIT_BIAS:
+        raise bad_param("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(v)}")
+    out = []
+    for k, b in v.items():
+        try:
+            t = int(k)
+        except (TypeError, ValueError):
+            raise bad_param("logit_bias", f"key {k!r} is not a token id (an integer as a string)"[:300]) from None
+        if t < 0:
+            raise bad_param("logit_bias", f"token id {t} is negative")
+        if not _is_num(b) or not -LOGIT_BIAS_LIMIT <= b <= LOGIT_BIAS_LIMIT:
+            raise bad_param("logit_bias", f"the bias of {k} must be a number in [-100, 100], got {b!r}"[:300])
+        out.append((t, float(b)))
+    return tuple(out)
+
+
+def _response_format(v) -> dict | None:
+    if v is None:
+        return None
+    from p2pk3.agent.grammar import GrammarError, response_format_schema  # torch: only when one is asked
+
+    try:
+        schema, _ = response_format_schema(v)
+    except GrammarError as e:
+        raise bad_param("response_format", str(e)[:300]) from None
+    return None if schema is None else dict(v)
+
+
+def _agent_sampling(body: dict, kind: str, req: GenRequest) -> dict:
+    """The issue-24 fields: penalties, logit_bias, response_format, logprobs / echo (SamplingOverrides kw)."""
+    num = {
+        "frequency_penalty": (lambda v: _is_num(v) and -2 <= v <= 2, "a number in [-2, 2]"),
+        "presence_penalty": (lambda v: _is_num(v) and -2 <= v <= 2, "a number in [-2, 2]"),
+        "repetition_penalty": (lambda v: _is_num(v) and 0 < v <= 1e6, "a number > 0 (1: off)"),
+        "min_p": (lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    }
+    kw = {k: _opt(body, k, ok, what) for k, (ok, what) in num.items()}
+    kw["logit_bias"] = _logit_bias(body.get("logit_bias"))
+    req.response_format = _response_format(body.get("response_format"))
+    kw["grammar"] = req.response_format
+    if kind == "chat":
+        lp = _opt(body, "logprobs", lambda v: isinstance(v, bool), "true or false")
+        top = _opt(
+            body, "top_logprobs", lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}]"
+        )
+        if top is not None and not lp:
+            raise bad_param("top_logprobs", "needs logprobs: true")
+        req.logprobs = (top or 0) if lp else None
+    else:
+        req.logprobs = _opt(
+            body, "logprobs", lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}]"
+        )
+        req.echo = bool(_opt(body, "echo", lambda v: isinstance(v, bool), "true or false"))
+    kw["logprobs"] = req.logprobs
+    kw["prompt_logprobs"] = req.logprobs if req.echo else None
+    return kw
 
 
 def parse_request(body: Any, kind: str, max_tokens_limit: int) -> GenRequest:
@@ -277,6 +348,7 @@ def parse_request(body: Any, kind: str, max_tokens_limit: int) -> GenRequest:
         ignore_eos=bool(_opt(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false")),
         speculate=spec or "off",
         draft_tokens=DEFAULT_DRAFT if draft is None else draft,
+        **_agent_sampling(body, kind, req),
     )
     req.stop = _stop(body.get("stop"))
     return req

@@ -51,7 +51,9 @@ from .control import (
     route_frame,
     takeover_frame,
 )
-from .fields import MAX_SESSION_ID, ErrorCode, TokenLogprob
+from p2pk3.params import TokenLogprob
+
+from .fields import MAX_SESSION_ID, ErrorCode
 from .files import (
     FILE_CHUNK,
     FileChunk,

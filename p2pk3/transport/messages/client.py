@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from p2pk3.params import SamplingParams
+from p2pk3.params import SamplingParams, TokenLogprob
 
 from ..codec import Frame, ProtocolError
-from .fields import TokenLogprob, brief, check_session, count, expect, finite, is_int, logprob_list
+from .fields import brief, check_session, count, expect, finite, is_int, logprob_entry, logprob_list
 
 MAX_PROMPT = 1 << 20
 
@@ -88,7 +88,7 @@ def parse_token(frame: Frame) -> tuple[int, str | int, int]:
 def parse_token_logprob(frame: Frame) -> TokenLogprob | None:
     """The token's logprob entry (None when the request did not ask for logprobs)."""
     v = expect(frame, "token").get("logprob")
-    return None if v is None else TokenLogprob.from_wire(v, "token frame: logprob")
+    return None if v is None else logprob_entry(v, "token frame: logprob")
 
 
 @dataclass

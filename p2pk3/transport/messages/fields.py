@@ -4,10 +4,9 @@ Parsers raise ProtocolError naming the frame and the field (`where`)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
-from p2pk3.params import MAX_LOGPROBS, SamplingParams
+from p2pk3.params import SamplingParams, TokenLogprob
 
 from ..codec import Frame, ProtocolError
 
@@ -84,47 +83,15 @@ def expect(frame: Frame, kind: str) -> dict[str, Any]:
     return frame.header
 
 
-@dataclass(frozen=True)
-class TokenLogprob:
-    """One token's log probability as it travels (results, token and done frames): the token id, its
-    logprob (None: no distribution, the first prompt token) and the top-N ids with their logprobs
-    (N = the request's logprobs / prompt_logprobs). Wire: [token, logprob, [ids], [logprobs]]."""
-
-    token: int
-    logprob: float | None
-    top_ids: tuple[int, ...] = ()
-    top_logprobs: tuple[float, ...] = ()
-
-    def to_wire(self) -> list:
-        return [int(self.token), self.logprob, [int(t) for t in self.top_ids], [float(x) for x in self.top_logprobs]]
-
-    @classmethod
-    def from_wire(cls, v: Any, where: str) -> "TokenLogprob":
-        if not isinstance(v, (list, tuple)) or len(v) != 4:
-            raise ProtocolError(f"{where}: a logprob entry is [token, logprob, [ids], [logprobs]], got {brief(v)}")
-        tok, lp, ids, lps = v
-        if not is_int(tok) or tok < 0:
-            raise ProtocolError(f"{where}: token must be a non-negative integer, got {brief(tok)}")
-        if lp is not None and not _real(lp):
-            raise ProtocolError(f"{where}: logprob must be a finite number <= 0 or nil, got {brief(lp)}")
-        if (
-            not isinstance(ids, (list, tuple))
-            or not isinstance(lps, (list, tuple))
-            or len(ids) != len(lps)
-            or len(ids) > MAX_LOGPROBS
-            or not all(is_int(t) and t >= 0 for t in ids)
-            or not all(_real(x) for x in lps)
-        ):
-            raise ProtocolError(f"{where}: top ids and logprobs must be two lists of at most {MAX_LOGPROBS}, equal")
-        return cls(tok, None if lp is None else float(lp), tuple(ids), tuple(float(x) for x in lps))
-
-
-def _real(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x <= 0
-
-
 def logprob_list(v: Any, where: str, limit: int) -> tuple[TokenLogprob, ...]:
     """A list of logprob entries (at most `limit`)."""
     if not isinstance(v, (list, tuple)) or len(v) > limit:
         raise ProtocolError(f"{where}: must be a list of at most {limit} logprob entries")
-    return tuple(TokenLogprob.from_wire(e, f"{where}[{i}]") for i, e in enumerate(v))
+    return tuple(logprob_entry(e, f"{where}[{i}]") for i, e in enumerate(v))
+
+
+def logprob_entry(v: Any, where: str) -> TokenLogprob:
+    try:
+        return TokenLogprob.from_wire(v)
+    except ValueError as e:
+        raise ProtocolError(f"{where}: {e}") from None

@@ -7,10 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from p2pk3.params import MAX_DRAFT, MAX_LOGPROBS, SamplingParams
+from p2pk3.params import MAX_DRAFT, MAX_LOGPROBS, SamplingParams, TokenLogprob
 
 from ..codec import Frame, ProtocolError
-from .fields import ErrorCode, TokenLogprob, check_session, expect, is_int, logprob_list, sampling
+from .fields import ErrorCode, check_session, expect, is_int, logprob_list, sampling
 
 
 # ------------------------------------------------------------------------------------------ segments
