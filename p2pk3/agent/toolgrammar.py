@@ -6,8 +6,8 @@
 With `tool_choice` "required" the output must be one tool-call section (or, with `parallel_tool_calls`,
 one or more calls) of the request's tools; with {"type": "function", "function": {"name": N}} every call is
 N. Each call is written in the checkpoint's format (`toolcalls.ToolCallFormat`): call begin,
-`functions.NAME:IDX`, argument begin, the arguments as JSON that follows that tool's `parameters` schema,
-call end, all inside the section markers when the format has them. Markers that are special tokens are
+`functions.NAME:IDX`, argument begin, the arguments as JSON that follows that tool's `parameters` schema
+(laid out as `json.dumps` writes it: ", " and ": " and no other whitespace), call end, all inside the section markers when the format has them. Markers that are special tokens are
 matched as those token ids (`<[id]>` in llguidance's Lark), so the text of a marker cannot stand in for
 it; markers that are plain text are literals. After the section only a stop token may follow. "auto" and
 "none" need no grammar (None). The output then parses with `toolcalls.parse_tool_calls` into valid calls.
@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 
-from .grammar import MAX_WHITESPACE, GrammarError
+from .grammar import GrammarError
 from .toolcalls import ToolCallFormat
 
 __all__ = ["tool_call_grammar", "chosen_tools"]
@@ -84,15 +84,10 @@ def tool_call_grammar(
         if not isinstance(params, Mapping):
             raise GrammarError(f"tool {name!r}: parameters must be a JSON schema object")
         strict = bool(fn.get("strict", True))
-        schema = dict(
-            params,
-            **{
-                "x-guidance": {
-                    "whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{0,{MAX_WHITESPACE}}}",
-                    "lenient": not strict,
-                }
-            },
-        )
+        # the arguments in json.dumps's layout (", " and ": ", no other whitespace): what templates render
+        # and clients send back, and a bound on a call's tokens (free whitespace let a model pad each gap)
+        layout = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+        schema = dict(params, **{"x-guidance": {**layout, "lenient": not strict}})
         rules.append(f"args_{k}: %json {json.dumps(schema)}")
         alts.append(f'"functions." {json.dumps(name)} ":" IDX {_marker(fmt.argument_begin, special)} args_{k}')
     body = " | ".join(f"({a})" for a in alts)

@@ -21,7 +21,7 @@ The output starts inside a thinking section when the prompt ends with the thinki
 whose generation prompt opens it, e.g. when `reasoning_effort` asks for thinking): then everything up to the
 end marker is reasoning. tool_choice "required" or a named function is enforced by a grammar of the
 checkpoint's tool-call section (agent/toolgrammar.py) that the last stage samples under; thinking, where the
-checkpoint has it, may come first.
+checkpoint has it, comes first when the prompt opened it or the request asked for reasoning.
 """
 
 from __future__ import annotations
@@ -87,22 +87,32 @@ class AnswerFormats:
         return AnswerShaper(self, tools, prompt_ids, max_calls=None if parallel_tool_calls else 1)
 
     def forced_grammar(
-        self, tools: Sequence[Mapping] | None, tool_choice, parallel_tool_calls: bool, prompt_ids: Sequence[int]
+        self,
+        tools: Sequence[Mapping] | None,
+        tool_choice,
+        parallel_tool_calls: bool,
+        prompt_ids: Sequence[int],
+        reasoning_effort: str | None = None,
     ) -> str | None:
         """The Lark grammar that enforces tool_choice "required" / named (None for auto / none); raises
-        GrammarError (naming the reason) when it cannot be enforced on this checkpoint."""
+        GrammarError (naming the reason) when it cannot be enforced on this checkpoint. Thinking may come
+        first where the prompt opened a section (then it must) or the request asks for it (a
+        reasoning_effort other than "none": the model may open one); otherwise the calls come at once (a
+        model could think without end, and the grammar cannot bound it)."""
         if tool_choice in (None, "auto", "none"):
             return None
         from p2pk3.agent.toolgrammar import tool_call_grammar  # torch (via the grammar engine): only when forced
 
+        inside = self.starts_inside(prompt_ids)
+        thinks = bool(self.reasoning) and (inside or reasoning_effort not in (None, "none"))
         return tool_call_grammar(
             self.tools,
             tools,
             tool_choice,
             self.special,
             parallel_tool_calls=parallel_tool_calls,
-            reasoning=self.reasoning or None,
-            starts_inside=self.starts_inside(prompt_ids),
+            reasoning=self.reasoning if thinks else None,
+            starts_inside=inside,
         )
 
 

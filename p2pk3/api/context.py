@@ -108,7 +108,9 @@ async def start_generation(
         formats = app[FORMATS]
         shape = formats.shaper(req.tools, req.tool_choice, p.ids, req.parallel_tool_calls)
         try:
-            lark = formats.forced_grammar(req.tools, req.tool_choice, req.parallel_tool_calls, p.ids)
+            lark = formats.forced_grammar(
+                req.tools, req.tool_choice, req.parallel_tool_calls, p.ids, req.reasoning_effort
+            )
         except ValueError as e:  # GrammarError
             raise bad_param("tool_choice", str(e)) from None
         if lark is not None:  # the answer is the calls: a response_format applies to content, which has none
