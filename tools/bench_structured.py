@@ -27,6 +27,7 @@ from pathlib import Path
 import jsonschema
 
 from p2pk3.engine.reference import default_model_dir
+from p2pk3.node.client import RequestError
 from p2pk3.node.local import LocalRing
 from p2pk3.params import SamplingParams
 from p2pk3.tokenizer import ChatTokenizer
@@ -95,6 +96,8 @@ async def constrained(ring, tok, prompt, n: int, max_tokens: int) -> dict:
             c = await ring.client()
             try:
                 r = await c.generate(prompt, p)
+            except RequestError as e:  # a request the ring failed: counted apart, said at the end
+                return None, str(e), 0
             finally:
                 c.close()
         ended = bool(r.tokens) and r.tokens[-1] in stops
@@ -107,10 +110,12 @@ async def constrained(ring, tok, prompt, n: int, max_tokens: int) -> dict:
         return ended, valid, len(r.tokens)
 
     t0 = time.perf_counter()
-    outs = await asyncio.gather(*(one(j) for j in range(n)))
+    got = await asyncio.gather(*(one(j) for j in range(n)))
+    outs = [x for x in got if x[0] is not None]
     lens = [x[2] for x in outs]
     return {
         "requests": n,
+        "failed": [x[1] for x in got if x[0] is None],
         "ended_with_stop": sum(x[0] for x in outs),
         "parse_and_validate": sum(x[1] for x in outs),
         "tokens_mean": statistics.mean(lens),
@@ -122,7 +127,7 @@ async def constrained(ring, tok, prompt, n: int, max_tokens: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", type=int, default=3)
-    ap.add_argument("--sessions", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--sessions", type=int, nargs="*", default=[1, 16], help="none: skip the speed part")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--requests", type=int, default=200)
@@ -131,7 +136,7 @@ def main() -> None:
     model = default_model_dir()
     tok = ChatTokenizer.from_pretrained(model)
     prompt = tok.apply_chat_template([{"role": "user", "content": "Answer in JSON."}], add_generation_prompt=True)
-    with LocalRing(model, a.nodes, extra_args=["--max-sessions", str(max(16, *a.sessions))]) as ring:
+    with LocalRing(model, a.nodes, extra_args=["--max-sessions", str(max(16, *a.sessions, 0))]) as ring:
 
         async def go():
             await batch(ring, prompt, [SamplingParams(max_tokens=4, grammar={"type": "json_object"})])  # warm-up
@@ -147,7 +152,8 @@ def main() -> None:
                 print(
                     f"constrained, temperature 1.5, {len(SCHEMAS)} schemas: {c['parse_and_validate']}/{c['requests']} "
                     f"parse and validate, {c['ended_with_stop']} ended with a stop token; tokens mean "
-                    f"{c['tokens_mean']:.0f}, max {c['tokens_max']}; {c['wall_s']:.0f} s",
+                    f"{c['tokens_mean']:.0f}, max {c['tokens_max']}; {c['wall_s']:.0f} s; "
+                    f"{len(c['failed'])} failed in the ring{': ' + '; '.join(c['failed'][:3]) if c['failed'] else ''}",
                     flush=True,
                 )
 
