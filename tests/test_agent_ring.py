@@ -162,3 +162,39 @@ def test_generation_config_defaults_apply(tmp_path, prompts):
     p = pb.text("The with statement", SamplingOverrides(repetition_penalty=1.0, min_p=0.0)).params
     assert (p.repetition_penalty, p.min_p) == (1.0, 0.0)
     assert prompts.text("x", SamplingOverrides()).params.repetition_penalty == 1.0  # the embedded model: off
+
+
+def test_a_resumed_request_continues_under_its_grammar(ring, prompts):
+    """A client resuming at a new entry sends prompt + the tokens it has, saying how many are output
+    (`generate.generated`): the grammar and the penalties count them, so the rest is the undisturbed run's."""
+    from dataclasses import replace
+
+    from p2pk3.transport.messages import GenerateRequest
+
+    j = prompts.chat_ids([{"role": "user", "content": "Answer in JSON: a module, its year and tags."}])
+    p = SamplingParams(
+        temperature=1.2, seed=5, max_tokens=300, stop_ids=prompts.tok.stop_ids, grammar=GRAMMAR, frequency_penalty=0.5
+    )
+    (full,) = generate_all(ring, [(j, p)])
+    k = len(full.tokens) // 2
+    assert k >= 4
+
+    async def resumed():
+        c = await ring.client()
+        try:
+            c._rid += 1
+            req = GenerateRequest(c._rid, j + full.tokens[:k], replace(p, max_tokens=p.max_tokens - k), generated=k)
+            await c.conn.send(req.frame())
+            toks = []
+            while True:
+                f = await c.conn.recv()
+                if f.kind == "token":
+                    toks.append(f.header["token"])
+                elif f.kind == "done":
+                    return toks
+                else:
+                    raise AssertionError(f.header)
+        finally:
+            c.close()
+
+    assert ring.call(resumed(), timeout=120) == full.tokens[k:]

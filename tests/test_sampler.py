@@ -159,3 +159,29 @@ def test_grammar_errors_fail_the_session(gtok):
         SessionSampler(SamplingParams(grammar={"type": "json_schema", "json_schema": {"schema": {"type": 5}}}), gtok)
     with pytest.raises(SamplerError, match="no tokenizer"):
         SessionSampler(SamplingParams(grammar={"type": "json_object"}))
+
+
+def test_the_last_stage_fails_only_the_session_it_cannot_sample(ckpt):
+    """A grammar on a stage without the checkpoint's tokenizer, and ids that skip positions, fail their own
+    session with a clear error; the batch-mates get their tokens, as sample_at draws them."""
+    from p2pk3.engine.reference import Pipeline
+    from p2pk3.node.stage_runner import StageRunner, Work
+    from p2pk3.transport.messages import Segment
+
+    pipe = Pipeline.load(ckpt, 1, max_sessions=4, max_tokens=512, block_size=8)
+    r = StageRunner(pipe.stages[0], pipe.stages[0].new_cache(4, 512))  # no grammar_tokenizer
+    g = SamplingParams(grammar={"type": "json_object"})
+    segs = [
+        Segment("a", 0, 0, 3, g, ids=(3, 4, 5), output_from=3),
+        Segment("b", 0, 0, 3, SamplingParams(temperature=0.7, seed=2)),
+        Segment("c", 0, 0, 3, SamplingParams(frequency_penalty=1.0), ids=(3, 4, 5), output_from=3),
+    ]
+    out = r.run(Work(segs, tokens=torch.tensor([3, 4, 5] * 3)))
+    a, b, c = out.results
+    assert a.error and "without the checkpoint's tokenizer" in a.error and a.code == "bad_request"
+    assert not b.error and not c.error
+    want = pipe.score([3, 4, 5])[-1]
+    assert b.token == sample_at(want, SamplingParams(temperature=0.7, seed=2), 3)
+    # c's next segment lacks position 3's id: c fails, saying so
+    out = r.run(Work([Segment("c", 0, 3, 1, SamplingParams(frequency_penalty=1.0))], tokens=torch.tensor([9])))
+    assert "knows 3 ids of the session; position 4 needs 4" in out.results[0].error

@@ -71,14 +71,11 @@ class Generation:
         }
 
     async def __aenter__(self) -> "Generation":
+        extra = {}
+        if self.params.logprobs is not None:  # (only then: a cluster object may not know the keyword)
+            extra["on_logprob"] = lambda _t, lp: self._arrived.append(lp)
         self._task = asyncio.ensure_future(
-            self.cluster.generate(
-                self.prompt_ids,
-                self.params,
-                on_token=self._q.put_nowait,
-                # only when asked: a cluster (or a test's stand-in) without logprobs needs no such callback
-                **({"on_logprob": lambda _t, lp: self._arrived.append(lp)} if self.params.logprobs is not None else {}),
-            )
+            self.cluster.generate(self.prompt_ids, self.params, on_token=self._q.put_nowait, **extra)
         )
         self._task.add_done_callback(lambda _: self._q.put_nowait(_DONE))
         self.metrics.prompt.labels(self.route).inc(self.prompt_tokens)

@@ -39,6 +39,9 @@ the session's sampler state, fed by the token ids the entry sends with each segm
 Logprobs come back with the tokens (`Session.logprobs`, aligned with `generated`); prompt logprobs
 (echo) with the prefill chunks (`Session.prompt_lps`; a chunk asks only for positions still missing, so a
 replay does not score the prompt again).
+
+Over 500 lines as one module because the session table, the schedule that reads it and the results that
+update it are one state machine: split, each part would reach into the others' fields.
 """
 
 from __future__ import annotations
@@ -55,11 +58,13 @@ from p2pk3.engine.sampling import SamplingParams, fresh_seed
 from p2pk3.params import MAX_DRAFT, TokenLogprob
 from p2pk3.spec.draft_len import DraftLength, PassCost
 from p2pk3.spec.proposers import NgramProposer, SuffixIndex, SuffixProposer
+from p2pk3.transport.codec import MAX_HEADER_LEN
 from p2pk3.transport.messages import ErrorCode, Result, Segment
 
 from .stage_runner import Work
 
 
+PROMPT_LOGPROB_BYTES = 13  # a prompt logprob entry on the wire, per (1 + top) ids and logprobs, about
 # while sessions decode, a prefill unit costs at most this share of a decode unit: a stage runs at most one
 # prefill unit between two decode batches, so the others' inter-token time grows by at most 1 + this
 PREFILL_SHARE = 0.5
@@ -225,6 +230,14 @@ class Entry:
             raise ValueError("empty prompt")
         if params.temperature > 0 and params.seed is None:
             params = params.with_seed(fresh_seed())
+        if params.prompt_logprobs is not None:
+            need = (len(prompt) - generated) * PROMPT_LOGPROB_BYTES * (1 + params.prompt_logprobs)
+            if need > MAX_HEADER_LEN * 0.9:
+                raise ValueError(
+                    f"prompt logprobs of {len(prompt) - generated} tokens with top {params.prompt_logprobs} need about "
+                    f"{need >> 10} KiB, more than a done frame carries ({MAX_HEADER_LEN >> 10} KiB): ask fewer top "
+                    "logprobs or score a shorter prompt"
+                )
         sid = f"s{self.node_tag}-{next(self._ids)}"
         s = Session(sid, 0, list(prompt), len(prompt), params, want_logits, incremental)
         s.seg_params = params.sampler()

@@ -300,9 +300,17 @@ class StageRunner:
             smp = self.samplers[sid] = SessionSampler()
         smp.feed(s.start_pos, s.ids, s.output_from)
         if s.sample is not None and smp.params is None:
-            gtok = self.grammar_tokenizer() if s.sample.grammar is not None and self.grammar_tokenizer else None
-            smp.configure(s.sample, gtok)
+            smp.configure(s.sample, self._grammar_tokenizer() if s.sample.grammar is not None else None)
         return smp
+
+    def _grammar_tokenizer(self):
+        """The checkpoint's GrammarTokenizer (built on first use), or SamplerError saying why there is none."""
+        if self.grammar_tokenizer is None:
+            raise SamplerError("this stage was started without the checkpoint's tokenizer (structured outputs)")
+        try:
+            return self.grammar_tokenizer()
+        except (OSError, ImportError, ValueError) as e:  # no tokenizer files, no llguidance, a bad vocabulary
+            raise SamplerError(f"the grammar engine cannot start on this stage: {e}") from None
 
     def _sample_one(self, s: Segment, rows: torch.Tensor) -> Result:
         """One segment's result from its logits rows (the last one, or all of a verify / scored segment)."""
