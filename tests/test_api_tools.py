@@ -341,6 +341,13 @@ def test_forced_tool_choice_is_a_grammar_of_the_tool_call_section(tok):
     # no reasoning asked: the calls come at once (an untrained model could think without end)
     assert not accepts(grammars[0], [tok.special[THINK]] + thought + body)
     assert grammars[4] == grammars[0]  # reasoning_effort "none": the same
+    # reasoning asked but the template did not open a section: the model may open one itself, or call at once
+    from p2pk3.api.answer import AnswerFormats
+
+    prompt = tok.apply_chat_template(ASK, add_generation_prompt=True, tools=TOOLS)
+    lark = AnswerFormats(tok).forced_grammar(TOOLS, "required", True, prompt, reasoning_effort="high")
+    optional = {"type": "lark", "lark": lark}
+    assert accepts(optional, [tok.special[THINK]] + thought + body) and accepts(optional, body)
 
 
 def agent_tools(ran: list):
