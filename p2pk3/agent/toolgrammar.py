@@ -7,9 +7,10 @@ With `tool_choice` "required" the output must be one tool-call section (or, with
 one or more calls) of the request's tools; with {"type": "function", "function": {"name": N}} every call is
 N. Each call is written in the checkpoint's format (`toolcalls.ToolCallFormat`): call begin,
 `functions.NAME:IDX`, argument begin, the arguments as JSON that follows that tool's `parameters` schema
-(laid out as `json.dumps` writes it: ", " and ": " and no other whitespace), call end, all inside the section markers when the format has them. Markers that are special tokens are
-matched as those token ids (`<[id]>` in llguidance's Lark), so the text of a marker cannot stand in for
-it; markers that are plain text are literals. After the section only a stop token may follow. "auto" and
+(laid out as `json.dumps` writes it: ", " and ": " and no other whitespace), call end, all inside the
+section markers when the format has them. Markers that are special tokens are matched as those token ids
+(`<[id]>` in llguidance's Lark), so the text of a marker cannot stand in for it; markers that are plain
+text are literals. After the section only a stop token may follow. "auto" and
 "none" need no grammar (None). The output then parses with `toolcalls.parse_tool_calls` into valid calls.
 
 A checkpoint that thinks (`reasoning`, a `reasoning.ReasoningFormat`) may think before it calls: with
@@ -17,7 +18,8 @@ A checkpoint that thinks (`reasoning`, a `reasoning.ReasoningFormat`) may think 
 the section; otherwise an optional begin ... end section may come first. The thinking text is not
 constrained (only the end marker and what follows it are).
 
-Called by (next session) the API, when a request has tools and tool_choice required / named.
+Called by the API (p2pk3/api/answer.py), when a request has tools and tool_choice required / named; the
+grammar travels as SamplingParams.grammar {"type": "lark"} to the last stage.
 """
 
 from __future__ import annotations

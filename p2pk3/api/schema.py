@@ -8,9 +8,9 @@ Accepted: `model` (required, as OpenAI requires it), `messages` / `prompt`, `str
 "none", "required" or {"type": "function", "function": {"name"}}; the default is "auto" with tools, "none"
 without), `parallel_tool_calls` (default true), `reasoning_effort` (passed to the chat template), and the
 messages agents send back: assistant `tool_calls` (content may then be null) and `reasoning_content`,
-`role: "tool"` results with their `tool_call_id`. The sampling fields land in `GenRequest.sampling` (a `SamplingOverrides`: unset fields
-take the checkpoint's generation_config defaults, p2pk3/frontends/prompt.py) with the ranges the CLI
-options have (p2pk3/params.py).
+`role: "tool"` results with their `tool_call_id`. The sampling fields land in `GenRequest.sampling` (a
+`SamplingOverrides`: unset fields take the checkpoint's generation_config defaults,
+p2pk3/frontends/prompt.py) with the ranges the CLI options have (p2pk3/params.py).
 
 Issue 24's sampling fields (`_agent_sampling`): `frequency_penalty`, `presence_penalty` [-2, 2],
 `logit_bias` ({"id": bias in [-100, 100]}), vLLM's `repetition_penalty` (> 0) and `min_p` [0, 1];
@@ -186,9 +186,8 @@ def _tool_choice(v: Any, tools: list[dict] | None) -> str | dict:
         if isinstance(v, dict) and v["function"]["name"] not in {t["function"]["name"] for t in tools}:
             raise bad_param("tool_choice", f"names {v['function']['name']!r}, which is not among the tools")
         return v
-    raise bad_param(
-        "tool_choice", f'must be "auto", "none", "required" or {{"type": "function", "function": {{"name": ...}}}}, got {v!r}'[:300]
-    )
+    what = '"auto", "none", "required" or {"type": "function", "function": {"name": ...}}'
+    raise bad_param("tool_choice", f"must be {what}, got {v!r}"[:300])
 
 
 def _prompt(v: Any) -> str | list[int]:
