@@ -94,6 +94,9 @@ def test_talk_to_a_running_ring_section_as_written(tmp_path):
         client = textwrap.dedent(sub(_blocks(section)[2]))
         r = subprocess.run([sys.executable, "-c", client], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0 and r.stdout.strip(), r.stderr[-2000:]
+        anthropic_client = textwrap.dedent(sub(_blocks(section)[3]))  # the Messages API, Anthropic's client
+        r = subprocess.run([sys.executable, "-c", anthropic_client], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.strip(), r.stderr[-2000:]
         r = _sh(sub(_code(section, r'echo "What is a tuple\?" \| p2pk3 chat --state /tmp/ring\.json')))
         assert r.returncode == 0 and r.stdout.strip(), r.stderr[-2000:]
         r = _sh(sub(_code(section, r"p2pk3 dashboard --state /tmp/ring\.json --json")), timeout=60)  # ends

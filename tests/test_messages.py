@@ -62,7 +62,17 @@ def test_forward_frame_helpers():
     [
         ({"temperature": "hot"}, "'temperature' has the wrong type"),
         ({"top_k": True}, "'top_k' has the wrong type"),
-        ({"min_p": 0.1}, r"unknown sampling parameter\(s\) \['min_p'\]"),
+        ({"typical_p": 0.1}, r"unknown sampling parameter\(s\) \['typical_p'\]"),
+        ({"min_p": 1.5}, r"min_p must be in \[0, 1\]"),
+        ({"frequency_penalty": 3}, r"frequency_penalty must be in \[-2, 2\]"),
+        ({"repetition_penalty": 0}, "repetition_penalty must be > 0"),
+        ({"repetition_penalty": float("nan")}, "must be finite"),
+        ({"logit_bias": [[5]]}, r"\(token id, bias\) pairs"),
+        ({"logit_bias": [[5, float("inf")]]}, "must be a finite number"),
+        ({"logprobs": 21}, r"logprobs must be None or an integer in \[0, 20\]"),
+        ({"prompt_logprobs": True}, "'prompt_logprobs' has the wrong type"),
+        ({"grammar": {"type": "regex"}}, "grammar type must be one of"),
+        ({"grammar": {"type": "lark"}}, "a lark grammar needs"),
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"stop_ids": [-1]}, "stop_ids must be"),
         ({"seed": -3}, "seed must be in"),
@@ -78,6 +88,49 @@ def test_sampling_params_round_trip():
     p = SamplingParams(temperature=0.5, top_k=3, top_p=0.8, seed=9, max_tokens=7, stop_ids=(1, 2))
     assert SamplingParams.from_wire(p.to_wire()) == p
     assert M.Segment.from_wire(M.Segment("x", 1, 0, 2, p).to_wire()).sample == p
+    # the agent fields are absent at their defaults (older frames stay valid) and round-trip when set
+    assert set(p.to_wire()) == {"temperature", "top_k", "top_p", "seed", "max_tokens", "stop_ids"}
+    q = SamplingParams(
+        frequency_penalty=0.5,
+        presence_penalty=-1,
+        repetition_penalty=1.2,
+        min_p=0.05,
+        logit_bias=((7, 500.0), (3, -2)),
+        logprobs=5,
+        prompt_logprobs=0,
+        grammar={"type": "json_object"},
+    )
+    assert q.logit_bias == ((3, -2.0), (7, 100.0))  # sorted, clamped to +-100
+    assert SamplingParams.from_wire(q.to_wire()) == q
+    assert M.Segment.from_wire(M.Segment("x", 1, 0, 2, q).to_wire()).sample == q
+    assert q.stateful and q.penalized and not p.stateful and not p.penalized
+
+
+def test_sampler_ids_and_logprobs_round_trip():
+    seg = M.Segment("x", 2, 4, 3, None, ids=(5, 6, 7, 8), output_from=9, prompt_logprobs=2)
+    assert M.Segment.from_wire(seg.to_wire()) == seg
+    assert "ids" not in M.Segment("x", 0, 0, 1).to_wire()
+    with pytest.raises(ProtocolError, match="ids must be a list of at most 4"):
+        M.Segment.from_wire({**seg.to_wire(), "ids": [1, 2, 3, 4, 5]})
+    with pytest.raises(ProtocolError, match="prompt_logprobs needs the segment's ids"):
+        M.Segment.from_wire({**seg.to_wire(), "ids": []})
+    lp = M.TokenLogprob(3, -0.5, (3, 9), (-0.5, -1.25))
+    r = M.Result("x", 2, 7, 3, accepted=(4,), logprobs=(lp, lp), prompt_logprobs=(lp,), prompt_from=5)
+    (back,) = M.parse_result(_roundtrip(M.result_frame([r])))
+    assert back == r
+    with pytest.raises(ProtocolError, match="1 logprob entries for 2 tokens"):
+        M.Result.from_wire({**r.to_wire(), "logprobs": [lp.to_wire()]}, "r")
+    with pytest.raises(ProtocolError, match="logprob must be a finite number <= 0"):
+        M.Result.from_wire({**r.to_wire(), "logprobs": [[3, 0.5, [], []]] * 2}, "r")
+    f = _roundtrip(M.token_frame(1, "x", 3, lp))
+    assert M.parse_token(f) == (1, "x", 3) and M.parse_token_logprob(f) == lp
+    assert M.parse_token_logprob(M.token_frame(1, "x", 3)) is None
+    d = M.parse_done(_roundtrip(M.done_frame(1, "x", [3], {}, {}, prompt_logprobs=[M.TokenLogprob(1, None), lp])))
+    assert d.prompt_logprobs == (M.TokenLogprob(1, None), lp)
+    req = M.GenerateRequest(4, [1, 2, 3], SamplingParams(logit_bias=((99, 1.0),)), generated=1)
+    with pytest.raises(ValueError, match="logit_bias token ids \\[99\\] are outside the vocabulary"):
+        M.GenerateRequest.parse(_roundtrip(req.frame()), 50)
+    assert M.GenerateRequest.parse(_roundtrip(req.frame()), 100).generated == 1
 
 
 def test_result_free_error_ping():

@@ -39,6 +39,7 @@ from .vocab import token_bytes
 __all__ = [
     "GrammarTokenizer",
     "GrammarMatcher",
+    "matcher_for",
     "GrammarError",
     "GrammarViolation",
     "GrammarEngineMissing",
@@ -266,3 +267,12 @@ class GrammarMatcher:
 
     def __repr__(self) -> str:
         return f"<GrammarMatcher {len(self.tokens)} tokens done={self.done}>"
+
+
+def matcher_for(gtok: GrammarTokenizer, grammar: Mapping) -> GrammarMatcher:
+    """The matcher of a `SamplingParams.grammar` map: {"type": "lark", "lark": TEXT} (e.g. from
+    `toolgrammar.tool_call_grammar`, for tool_choice) or an OpenAI response_format (json_object /
+    json_schema). GrammarError names what is wrong."""
+    if grammar.get("type") == "lark":
+        return GrammarMatcher(gtok, lark=grammar.get("lark"), what=str(grammar.get("what", "tool_choice")))
+    return GrammarMatcher(gtok, grammar)

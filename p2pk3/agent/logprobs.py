@@ -64,6 +64,16 @@ class TokenLogprobs:
     def __len__(self) -> int:
         return len(self.ids)
 
+    @classmethod
+    def of(cls, entries) -> TokenLogprobs:
+        """From per-token entries as the client library delivers them (`p2pk3.node.client.Reply.logprobs`,
+        objects with token, logprob, top_ids, top_logprobs)."""
+        es = list(entries)
+        return cls(
+            [e.token for e in es], [e.logprob for e in es], [list(e.top_ids) for e in es],
+            [list(e.top_logprobs) for e in es],
+        )
+
 
 def _finite(x: float) -> float:
     return x if x > NEG_INF_LOGPROB else NEG_INF_LOGPROB

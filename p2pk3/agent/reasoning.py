@@ -16,8 +16,8 @@ prompt ends with the begin marker): the output then starts as reasoning. An uncl
 reasoning (the output was cut off while thinking). A marker split across token texts is recognised (see
 `markers.py`). Several sections in one output all go to reasoning_content, in order.
 
-Called by (next session) the API: the decoded output (special tokens kept) goes through this first; its
-content then goes through `toolcalls.py`.
+Called by the API (p2pk3/api/answer.py): the decoded output (the markers kept) goes through this first;
+its content then goes through `toolcalls.py`.
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ end of the output) never raises: it is left out of `tool_calls` and described in
 a call is announced only once its name is known and valid; its arguments stream as they come, so bad JSON
 can only be found at the call's end: it is reported in `errors` (the client has seen the fragments).
 
-Called by (next session) the API's chat completion: on the decoded output with special tokens kept, after
-`reasoning.py` has taken the thinking out.
+Called by the API's chat and Messages routes (p2pk3/api/answer.py): on the decoded output with the markers
+kept, after `reasoning.py` has taken the thinking out.
 """
 
 from __future__ import annotations

@@ -6,13 +6,20 @@
 With `tool_choice` "required" the output must be one tool-call section (or, with `parallel_tool_calls`,
 one or more calls) of the request's tools; with {"type": "function", "function": {"name": N}} every call is
 N. Each call is written in the checkpoint's format (`toolcalls.ToolCallFormat`): call begin,
-`functions.NAME:IDX`, argument begin, the arguments as JSON that follows that tool's `parameters` schema,
-call end, all inside the section markers when the format has them. Markers that are special tokens are
-matched as those token ids (`<[id]>` in llguidance's Lark), so the text of a marker cannot stand in for
-it; markers that are plain text are literals. After the section only a stop token may follow. "auto" and
+`functions.NAME:IDX`, argument begin, the arguments as JSON that follows that tool's `parameters` schema
+(laid out as `json.dumps` writes it: ", " and ": " and no other whitespace), call end, all inside the
+section markers when the format has them. Markers that are special tokens are matched as those token ids
+(`<[id]>` in llguidance's Lark), so the text of a marker cannot stand in for it; markers that are plain
+text are literals. After the section only a stop token may follow. "auto" and
 "none" need no grammar (None). The output then parses with `toolcalls.parse_tool_calls` into valid calls.
 
-Called by (next session) the API, when a request has tools and tool_choice required / named.
+A checkpoint that thinks (`reasoning`, a `reasoning.ReasoningFormat`) may think before it calls: with
+`starts_inside` (the prompt opened the thinking section) the output is free text up to the end marker, then
+the section; otherwise an optional begin ... end section may come first. The thinking text is not
+constrained (only the end marker and what follows it are).
+
+Called by the API (p2pk3/api/answer.py), when a request has tools and tool_choice required / named; the
+grammar travels as SamplingParams.grammar {"type": "lark"} to the last stage.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 
-from .grammar import MAX_WHITESPACE, GrammarError
+from .grammar import GrammarError
 from .toolcalls import ToolCallFormat
 
 __all__ = ["tool_call_grammar", "chosen_tools"]
@@ -59,9 +66,12 @@ def tool_call_grammar(
     tool_choice,
     special: Mapping[str, int],
     parallel_tool_calls: bool = True,
+    reasoning=None,
+    starts_inside: bool = False,
 ) -> str | None:
     """The Lark grammar (llguidance dialect) of a forced tool-call section (module doc); None if nothing is
-    forced. special: the tokenizer's special-token text -> id."""
+    forced. special: the tokenizer's special-token text -> id; reasoning: the checkpoint's ReasoningFormat
+    (None: it does not think); starts_inside: the prompt ends with its begin marker."""
     if not fmt:
         raise GrammarError(f"tool_choice cannot be enforced: {fmt.reason}")
     fns = chosen_tools(tools, tool_choice)
@@ -76,23 +86,25 @@ def tool_call_grammar(
         if not isinstance(params, Mapping):
             raise GrammarError(f"tool {name!r}: parameters must be a JSON schema object")
         strict = bool(fn.get("strict", True))
-        schema = dict(
-            params,
-            **{
-                "x-guidance": {
-                    "whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{0,{MAX_WHITESPACE}}}",
-                    "lenient": not strict,
-                }
-            },
-        )
+        # the arguments in json.dumps's layout (", " and ": ", no other whitespace): what templates render
+        # and clients send back, and a bound on a call's tokens (free whitespace let a model pad each gap)
+        layout = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+        schema = dict(params, **{"x-guidance": {**layout, "lenient": not strict}})
         rules.append(f"args_{k}: %json {json.dumps(schema)}")
         alts.append(f'"functions." {json.dumps(name)} ":" IDX {_marker(fmt.argument_begin, special)} args_{k}')
     body = " | ".join(f"({a})" for a in alts)
     call = f"call: {_marker(fmt.call_begin, special)} ({body}) {_marker(fmt.call_end, special)}"
     calls = "call+" if parallel_tool_calls else "call"
-    start = (
-        f"start: {_marker(fmt.section_begin, special)} {calls} {_marker(fmt.section_end, special)}"
+    section = (
+        f"section: {_marker(fmt.section_begin, special)} {calls} {_marker(fmt.section_end, special)}"
         if fmt.section_begin
-        else f"start: {calls}"
+        else f"section: {calls}"
     )
-    return "\n".join([start, call, "IDX: /[0-9]{1,4}/", *rules]) + "\n"
+    if reasoning is None:
+        start = "start: section"
+    elif starts_inside:
+        start = f"start: THOUGHT {_marker(reasoning.end, special)} section"
+    else:
+        start = f"start: ({_marker(reasoning.begin, special)} THOUGHT {_marker(reasoning.end, special)})? section"
+    thought = ["THOUGHT: /(?s:.*)/"] if reasoning is not None else []
+    return "\n".join([start, section, call, "IDX: /[0-9]{1,4}/", *thought, *rules]) + "\n"

@@ -58,14 +58,18 @@ class Cluster:
             ) from None
 
     async def generate(
-        self, prompt: list[int], params: SamplingParams, on_token: Callable[[int], None] | None = None
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        on_token: Callable[[int], None] | None = None,
+        on_logprob: Callable | None = None,
     ) -> Reply:
         """The reply; cluster errors become ApiError (busy 429, unavailable 503, ...). Cancelling the
-        awaiting task cancels the request in the ring."""
+        awaiting task cancels the request in the ring. on_logprob(token, TokenLogprob): as Client.generate."""
         c = await self._client()
         ok = False
         try:
-            r = await c.generate(prompt, params, on_token=on_token, **self.queue)
+            r = await c.generate(prompt, params, on_token=on_token, on_logprob=on_logprob, **self.queue)
             ok = True
             return r
         except RequestError as e:

@@ -4,11 +4,21 @@ Every mistake is an `ApiError` 400 whose `param` names the field (`messages[1].r
 Accepted: `model` (required, as OpenAI requires it), `messages` / `prompt`, `stream`, `stream_options.include_usage`, `max_tokens` /
 `max_completion_tokens`, `temperature` [0, 2], `top_p` (0, 1], `seed`, `stop` (string or list of up to 4),
 `n` (1 only), `user`; extensions as vLLM names them: `top_k`, `ignore_eos`; p2pk3's own: `speculate`,
-`draft_tokens`. The sampling fields land in `GenRequest.sampling` (a `SamplingOverrides`: unset fields
-take the checkpoint's generation_config defaults, p2pk3/frontends/prompt.py) with the ranges the CLI
-options have (p2pk3/params.py). Fields that would change the
-output in a way this server does not implement (`logprobs`, `echo`, `suffix`, `best_of` > 1, non-zero
-penalties, `logit_bias`) are refused rather than ignored. Other unknown fields are ignored, as OpenAI does.
+`draft_tokens`. Agents' fields: `tools` (functions with JSON-schema `parameters`), `tool_choice` ("auto",
+"none", "required" or {"type": "function", "function": {"name"}}; the default is "auto" with tools, "none"
+without), `parallel_tool_calls` (default true), `reasoning_effort` (passed to the chat template), and the
+messages agents send back: assistant `tool_calls` (content may then be null) and `reasoning_content`,
+`role: "tool"` results with their `tool_call_id`. The sampling fields land in `GenRequest.sampling` (a
+`SamplingOverrides`: unset fields take the checkpoint's generation_config defaults,
+p2pk3/frontends/prompt.py) with the ranges the CLI options have (p2pk3/params.py).
+
+Issue 24's sampling fields (`_agent_sampling`): `frequency_penalty`, `presence_penalty` [-2, 2],
+`logit_bias` ({"id": bias in [-100, 100]}), vLLM's `repetition_penalty` (> 0) and `min_p` [0, 1];
+`response_format` (text, json_object, json_schema with `strict`: the grammar the last stage masks with);
+chat `logprobs` (bool) + `top_logprobs` [0, 20]; completions `logprobs` (int [0, 20]) and `echo` (the
+prompt in the text, and its tokens' logprobs with `logprobs`). Fields that would change the output in a
+way this server does not implement (`suffix`, `best_of` > 1) are refused rather than ignored. Other
+unknown fields are ignored, as OpenAI does.
 """
 
 from __future__ import annotations
@@ -17,11 +27,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from p2pk3.frontends.prompt import SamplingOverrides
-from p2pk3.params import DEFAULT_DRAFT, MAX_DRAFT, MAX_SEED, MAX_TEMPERATURE, SPEC_METHODS
+from p2pk3.params import (
+    DEFAULT_DRAFT,
+    LOGIT_BIAS_LIMIT,
+    MAX_DRAFT,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_SEED,
+    MAX_TEMPERATURE,
+    SPEC_METHODS,
+)
 
 from .errors import bad_param
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 MAX_STOPS = 4
 MAX_STOP_LEN = 256
 
@@ -32,12 +52,18 @@ class GenRequest:
     model: str | None = None
     messages: list[dict] | None = None  # chat: normalised messages (role, content: str, [name])
     tools: list[dict] | None = None
+    tool_choice: str | dict = "none"  # "auto" | "none" | "required" | {"type": "function", "function": {...}}
+    parallel_tool_calls: bool = True
+    reasoning_effort: str | None = None  # a chat template variable when given
     prompt: str | list[int] | None = None  # completion: text, or token ids
     stream: bool = False
     include_usage: bool = False
     sampling: SamplingOverrides = field(default_factory=SamplingOverrides)  # max_tokens, temperature, ...
     max_tokens_field: str = "max_tokens"  # the name the request gave it (chat: or max_completion_tokens)
     stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None  # top N per generated token (chat: top_logprobs when logprobs is true)
+    echo: bool = False  # completions: the prompt in the text (and its logprobs with `logprobs`)
+    response_format: dict | None = None  # json_object / json_schema (None: text)
 
 
 def _is_int(v) -> bool:
@@ -96,11 +122,72 @@ def _messages(v: Any) -> list[dict]:
             if not isinstance(name, str):
                 raise bad_param(f"{where}.name", "must be a string")
             msg["name"] = name
-        for k in ("tool_calls", "tool_call_id"):
-            if m.get(k) is not None:
-                msg[k] = m[k]
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise bad_param(f"{where}.tool_call_id", "is required (the id of the call this result answers)")
+            msg["tool_call_id"] = m["tool_call_id"]
+        if role == "assistant" and m.get("tool_calls") is not None:
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+        if role == "assistant" and m.get("reasoning_content") is not None:
+            if not isinstance(m["reasoning_content"], str):
+                raise bad_param(f"{where}.reasoning_content", "must be a string")
+            msg["reasoning_content"] = m["reasoning_content"]
         out.append(msg)
     return out
+
+
+def _tool_calls(v: Any, where: str) -> list[dict]:
+    """An assistant message's tool_calls: [{id, type: function, function: {name, arguments: JSON text}}]."""
+    if not isinstance(v, list):
+        raise bad_param(where, "must be a list of tool calls")
+    out = []
+    for i, c in enumerate(v):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_param(f"{where}[{i}]", 'must be {"id", "type": "function", "function": {"name", "arguments"}}')
+        args = fn.get("arguments", "{}")
+        if not isinstance(args, str):
+            raise bad_param(f"{where}[{i}].function.arguments", "must be a string (the arguments as JSON text)")
+        call_id = c.get("id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise bad_param(f"{where}[{i}].id", "must be a string")
+        out.append({"id": call_id or f"functions.{fn['name']}:{i}", "type": "function",
+                    "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def _tools(v: Any) -> list[dict] | None:
+    if v is None:
+        return None
+    if not isinstance(v, list):
+        raise bad_param("tools", "must be a list of {type: function, function: {name, parameters}}")
+    for i, t in enumerate(v):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise bad_param(f"tools[{i}]", 'must be {"type": "function", "function": {"name", "parameters"}}')
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad_param(f"tools[{i}].function.name", "is required (a non-empty string)")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise bad_param(f"tools[{i}].function.parameters", "must be a JSON schema object")
+    names = [t["function"]["name"] for t in v]
+    if len(set(names)) < len(names):
+        raise bad_param("tools", f"function names must be unique, got {names}")
+    return v or None
+
+
+def _tool_choice(v: Any, tools: list[dict] | None) -> str | dict:
+    if v is None:
+        return "auto" if tools else "none"
+    if v in ("auto", "none", "required") or (
+        isinstance(v, dict) and v.get("type") == "function" and isinstance((v.get("function") or {}).get("name"), str)
+    ):
+        if v != "none" and not tools:
+            raise bad_param("tool_choice", f"{v!r} needs a non-empty tools list")
+        if isinstance(v, dict) and v["function"]["name"] not in {t["function"]["name"] for t in tools}:
+            raise bad_param("tool_choice", f"names {v['function']['name']!r}, which is not among the tools")
+        return v
+    what = '"auto", "none", "required" or {"type": "function", "function": {"name": ...}}'
+    raise bad_param("tool_choice", f"must be {what}, got {v!r}"[:300])
 
 
 def _prompt(v: Any) -> str | list[int]:
@@ -133,21 +220,74 @@ def _stop(v: Any) -> list[str]:
 
 
 def _refuse_unsupported(body: dict, kind: str) -> None:
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
-        raise bad_param("logprobs", "log probabilities are not supported by this server")
     if kind == "completion":
-        if body.get("echo") not in (None, False):
-            raise bad_param("echo", "echo is not supported by this server")
         if body.get("suffix") is not None:
             raise bad_param("suffix", "suffix is not supported by this server")
         if body.get("best_of") not in (None, 1):
             raise bad_param("best_of", "only best_of = 1 is supported")
-    for k in ("presence_penalty", "frequency_penalty"):
-        v = body.get(k)
-        if v is not None and (not _is_num(v) or v != 0):
-            raise bad_param(k, "only 0 is supported (no penalties)")
-    if body.get("logit_bias"):
-        raise bad_param("logit_bias", "logit_bias is not supported by this server")
+
+
+def _logit_bias(v) -> tuple[tuple[int, float], ...]:
+    if v is None:
+        return ()
+    if not isinstance(v, dict):
+        raise bad_param("logit_bias", 'must be an object mapping token ids to biases, e.g. {"50256": -100}')
+    if len(v) > MAX_LOGIT_BIAS:
+        raise bad_param("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(v)}")
+    out = []
+    for k, b in v.items():
+        try:
+            t = int(k)
+        except (TypeError, ValueError):
+            raise bad_param("logit_bias", f"key {k!r} is not a token id (an integer as a string)"[:300]) from None
+        if t < 0:
+            raise bad_param("logit_bias", f"token id {t} is negative")
+        if not _is_num(b) or not -LOGIT_BIAS_LIMIT <= b <= LOGIT_BIAS_LIMIT:
+            raise bad_param("logit_bias", f"the bias of {k} must be a number in [-100, 100], got {b!r}"[:300])
+        out.append((t, float(b)))
+    return tuple(out)
+
+
+def _response_format(v) -> dict | None:
+    if v is None:
+        return None
+    from p2pk3.agent.grammar import GrammarError, response_format_schema  # torch: only when one is asked
+
+    try:
+        schema, _ = response_format_schema(v)
+    except GrammarError as e:
+        raise bad_param("response_format", str(e)[:300]) from None
+    return None if schema is None else dict(v)
+
+
+def _agent_sampling(body: dict, kind: str, req: GenRequest) -> dict:
+    """The issue-24 fields: penalties, logit_bias, response_format, logprobs / echo (SamplingOverrides kw)."""
+    num = {
+        "frequency_penalty": (lambda v: _is_num(v) and -2 <= v <= 2, "a number in [-2, 2]"),
+        "presence_penalty": (lambda v: _is_num(v) and -2 <= v <= 2, "a number in [-2, 2]"),
+        "repetition_penalty": (lambda v: _is_num(v) and 0 < v <= 1e6, "a number > 0 (1: off)"),
+        "min_p": (lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    }
+    kw = {k: _opt(body, k, ok, what) for k, (ok, what) in num.items()}
+    kw["logit_bias"] = _logit_bias(body.get("logit_bias"))
+    req.response_format = _response_format(body.get("response_format"))
+    kw["grammar"] = req.response_format
+    if kind == "chat":
+        lp = _opt(body, "logprobs", lambda v: isinstance(v, bool), "true or false")
+        top = _opt(
+            body, "top_logprobs", lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}]"
+        )
+        if top is not None and not lp:
+            raise bad_param("top_logprobs", "needs logprobs: true")
+        req.logprobs = (top or 0) if lp else None
+    else:
+        req.logprobs = _opt(
+            body, "logprobs", lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}]"
+        )
+        req.echo = bool(_opt(body, "echo", lambda v: isinstance(v, bool), "true or false"))
+    kw["logprobs"] = req.logprobs
+    kw["prompt_logprobs"] = req.logprobs if req.echo else None
+    return kw
 
 
 def parse_request(body: Any, kind: str, max_tokens_limit: int) -> GenRequest:
@@ -161,13 +301,13 @@ def parse_request(body: Any, kind: str, max_tokens_limit: int) -> GenRequest:
         raise bad_param("model", "required: the id of the model to use (GET /v1/models lists it)")
     if kind == "chat":
         req.messages = _messages(body.get("messages"))
-        tools = _opt(
-            body,
-            "tools",
-            lambda v: isinstance(v, list) and all(isinstance(t, dict) for t in v),
-            "a list of tool objects",
+        req.tools = _tools(body.get("tools"))
+        req.tool_choice = _tool_choice(body.get("tool_choice"), req.tools)
+        ptc = _opt(body, "parallel_tool_calls", lambda v: isinstance(v, bool), "true or false")
+        req.parallel_tool_calls = True if ptc is None else ptc
+        req.reasoning_effort = _opt(
+            body, "reasoning_effort", lambda v: v in REASONING_EFFORTS, " or ".join(f'"{e}"' for e in REASONING_EFFORTS)
         )
-        req.tools = tools or None
     else:
         req.prompt = _prompt(body.get("prompt"))
     n = _opt(body, "n", _is_int, "an integer")
@@ -207,6 +347,7 @@ def parse_request(body: Any, kind: str, max_tokens_limit: int) -> GenRequest:
         ignore_eos=bool(_opt(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false")),
         speculate=spec or "off",
         draft_tokens=DEFAULT_DRAFT if draft is None else draft,
+        **_agent_sampling(body, kind, req),
     )
     req.stop = _stop(body.get("stop"))
     return req

@@ -22,11 +22,16 @@ class SSE:
     async def open(self) -> None:
         await self.response.prepare(self.request)
 
-    async def send(self, obj: dict) -> None:
-        """One event; raises ConnectionResetError when the client has gone away."""
+    async def send(self, obj: dict, event: str | None = None) -> None:
+        """One event (named `event` when given); raises ConnectionResetError when the client has gone away."""
+        head = b"event: " + event.encode() + b"\n" if event else b""
         await self.response.write(
-            b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+            head + b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
         )
+
+    async def end(self) -> None:
+        """The end of a stream without OpenAI's [DONE] (Anthropic's streams end after message_stop)."""
+        await self.response.write_eof()
 
     async def done(self) -> None:
         await self.response.write(b"data: [DONE]\n\n")

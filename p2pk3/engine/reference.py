@@ -15,6 +15,7 @@ from p2pk3.model.cache import Span
 from p2pk3.model.config import K3Config
 from p2pk3.model.stage import K3Stage, StagePlan
 
+from .sampler import SessionSampler, grammar_tokenizer
 from .sampling import SamplingParams, fresh_seed, sample_at
 
 
@@ -41,6 +42,8 @@ class Pipeline:
         self.caches = [s.new_cache(max_sessions, max_tokens, block_size) for s in stages]
         self.suffix_index = None  # speculative decoding with `suffix`: made on first use, kept across calls
         self.last_stats: list[dict] = []  # per prompt, after a speculative generate
+        self.last_logprobs: list[list | None] = []  # per prompt, after generate: TokenLogprobs when asked
+        self.model_dir: Path | None = None  # (load sets it) the tokenizer of requests with a grammar
 
     @classmethod
     def load(
@@ -64,13 +67,41 @@ class Pipeline:
         if torch.device(device).type == "cpu":
             configure_cpu_threads(cfg)
         plans = plans or StagePlan.split_even(cfg, n_stages)
-        return cls(
+        pipe = cls(
             [
                 load_stage(model_dir, p, dtype, device, cfg, formats, compile=compile, dequant_experts=dequant_experts)
                 for p in plans
             ],
             **cache_kw,
         )
+        pipe.model_dir = Path(model_dir)
+        return pipe
+
+    def _samplers(self, params: list[SamplingParams]) -> list[SessionSampler | None]:
+        """The sampler of each session whose parameters go beyond sample_at (None: sample_at itself)."""
+        out = []
+        for p in params:
+            if not (p.stateful or p.penalized or p.logprobs is not None):
+                out.append(None)
+                continue
+            gtok = None
+            if p.grammar is not None:
+                if self.model_dir is None:
+                    raise ValueError("a grammar needs the checkpoint's tokenizer: load the pipeline with Pipeline.load")
+                gtok = grammar_tokenizer(self.model_dir, self.cfg.vocab_size)
+            out.append(SessionSampler(p, gtok))
+        return out
+
+    @staticmethod
+    def _draw(smp, row, params: SamplingParams, hist: list[int], n_prompt: int, lps: list | None) -> int:
+        """The token after `hist` (the session's prompt + output so far), as the last stage draws it."""
+        if smp is None:
+            return sample_at(row, params, len(hist))
+        smp.feed(len(smp.ids), hist[len(smp.ids) :], n_prompt)
+        tok, lp = smp.sample(row, len(hist))
+        if lps is not None:
+            lps.append(lp)
+        return tok
 
     def open(self, session: str) -> None:
         opened = []
@@ -155,8 +186,10 @@ class Pipeline:
             p if p.seed is not None or p.temperature == 0 else SamplingParams(**{**p.__dict__, "seed": fresh_seed()})
             for p in params
         ]
+        smp = self._samplers(params)
+        self.last_logprobs = [[] if p.logprobs is not None else None for p in params]
         if any(p.speculating for p in params):
-            return self._generate_spec(prompts, params, ids, prefill_chunk, proposers or {}, draft_policy)
+            return self._generate_spec(prompts, params, ids, prefill_chunk, proposers or {}, draft_policy, smp)
         outs: list[list[int]] = [[] for _ in prompts]
         for s in ids:
             self.open(s)
@@ -166,7 +199,9 @@ class Pipeline:
             while live:
                 nxt = []
                 for i in live:
-                    tok = sample_at(last[i], params[i], len(prompts[i]) + len(outs[i]))
+                    tok = self._draw(
+                        smp[i], last[i], params[i], prompts[i] + outs[i], len(prompts[i]), self.last_logprobs[i]
+                    )
                     outs[i].append(tok)
                     if tok in params[i].stop_ids or len(outs[i]) >= params[i].max_tokens:
                         continue
@@ -183,7 +218,7 @@ class Pipeline:
             for s in ids:
                 self.close(s)
 
-    def _generate_spec(self, prompts, params, ids, prefill_chunk, proposers, draft_policy) -> list[list[int]]:
+    def _generate_spec(self, prompts, params, ids, prefill_chunk, proposers, draft_policy, smp) -> list[list[int]]:
         """`generate` with speculative decoding: each round, every live session's last token plus its drafted
         tokens go through the stages as one span (a verify pass, with a rollback checkpoint on every stage);
         the longest prefix plain decoding would have produced is accepted, plus the token after it, and
@@ -234,7 +269,8 @@ class Pipeline:
             live = [
                 i
                 for i in range(len(prompts))
-                if params[i].max_tokens > 0 and take(i, [sample_at(last[i], params[i], len(prompts[i]))])
+                if params[i].max_tokens > 0
+                and take(i, [self._draw(smp[i], last[i], params[i], prompts[i], len(prompts[i]), self.last_logprobs[i])])
             ]
             while live:
                 spans, toks, drafts = [], [], []
@@ -275,10 +311,17 @@ class Pipeline:
                 for i, sp, d in zip(live, spans, drafts):
                     rows = lg[r : r + sp.length]
                     r += sp.length
-                    if d:
+                    hist = prompts[i] + outs[i]
+                    if d and smp[i] is not None:
+                        smp[i].feed(len(smp[i].ids), hist[len(smp[i].ids) :], len(prompts[i]))
+                        acc, tok, lps = smp[i].verify(rows, d, sp.start)
+                        if self.last_logprobs[i] is not None:
+                            self.last_logprobs[i].extend(lps)
+                    elif d:
                         acc, tok = verify_draft(rows, d, params[i], sp.start)
                     else:
-                        acc, tok = [], sample_at(rows[-1], params[i], sp.start + 1)
+                        acc = []
+                        tok = self._draw(smp[i], rows[-1], params[i], hist, len(prompts[i]), self.last_logprobs[i])
                     st = stats[i]
                     if prop[i] is not None:
                         dlen[i].observe(len(d), len(acc))

@@ -1,10 +1,12 @@
-"""Token sampling: greedy, or temperature / top-k / top-p with a per-session seeded generator.
-(`SamplingParams`, the request schema, is defined in p2pk3/params.py and re-exported here.)"""
+"""Token sampling: greedy, or temperature / min_p / top-k / top-p with a per-session seeded generator.
+(`SamplingParams`, the request schema, is defined in p2pk3/params.py and re-exported here; penalties,
+logit_bias and the grammar mask are applied to the logits before, by p2pk3/engine/sampler.py.)"""
 
 from __future__ import annotations
 
 import torch
 
+from p2pk3.agent.penalties import apply_min_p
 from p2pk3.params import SamplingParams
 
 
@@ -17,6 +19,8 @@ def sample_at(logits: torch.Tensor, params: SamplingParams, position: int) -> in
     if p.temperature == 0:
         return int(torch.argmax(x))
     x = x / p.temperature
+    if p.min_p > 0:  # after the temperature (vLLM's order); relative to the likeliest id, so before top-k
+        x = apply_min_p(x.clone()[None], [p.min_p])[0]
     if p.top_k and p.top_k < x.numel():
         kth = torch.topk(x, p.top_k).values[-1]
         x = x.masked_fill(x < kth, -float("inf"))

@@ -14,7 +14,8 @@ parameters here, so the same question gets the same prompt, stop ids and default
 * stop ids: the checkpoint's (`ChatTokenizer.stop_ids`: generation_config eos ids, eos_token, the
   template's end-of-turn token); none with `ignore_eos`.
 * sampling: what the user set in `SamplingOverrides`; every field left None comes from the checkpoint's
-  `generation_config.json` (`GenerationDefaults`): temperature, top_p, top_k, and the new tokens
+  `generation_config.json` (`GenerationDefaults`): temperature, top_p, top_k, repetition_penalty, min_p
+  (the penalties OpenAI defines, frequency and presence, are 0 unless asked), and the new tokens
   (`max_new_tokens`, else `max_length` minus the prompt, else `DEFAULT_MAX_TOKENS`), capped to the
   context left after the prompt. Asking for more tokens than fit is refused.
 
@@ -31,7 +32,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from p2pk3.params import DEFAULT_DRAFT, MAX_DRAFT, MAX_SEED, MAX_TEMPERATURE, SPEC_METHODS, SamplingParams
+from p2pk3.params import (
+    DEFAULT_DRAFT,
+    MAX_DRAFT,
+    MAX_LOGPROBS,
+    MAX_SEED,
+    MAX_TEMPERATURE,
+    SPEC_METHODS,
+    SamplingParams,
+)
 
 __all__ = ["PromptBuilder", "Prompt", "SamplingOverrides", "PromptError", "DEFAULT_CONTEXT", "context_length"]
 
@@ -58,6 +67,16 @@ class SamplingOverrides:
     speculate: str = "off"
     draft_tokens: int = DEFAULT_DRAFT
     ignore_eos: bool = False  # no stop ids: generate until max_tokens (the API's vLLM extension)
+    # issue 24 (p2pk3/params.py): penalties (None: generation_config's repetition_penalty / min_p, else off),
+    # logit_bias as (id, bias) pairs, logprobs / prompt_logprobs (top N), grammar (a token mask)
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    grammar: dict | None = None
 
     def __post_init__(self) -> None:
         checks = (
@@ -66,6 +85,12 @@ class SamplingOverrides:
             ("top_k", lambda v: v >= 0, ">= 0 (0: off)"),
             ("max_tokens", lambda v: v >= 0, ">= 0"),
             ("seed", lambda v: 0 <= v <= MAX_SEED, f"in [0, {MAX_SEED}]"),
+            ("frequency_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]"),
+            ("presence_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]"),
+            ("repetition_penalty", lambda v: 0 < v <= 1e6, "> 0 (1: off)"),
+            ("min_p", lambda v: 0 <= v <= 1, "in [0, 1]"),
+            ("logprobs", lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]"),
+            ("prompt_logprobs", lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]"),
         )
         for name, ok, what in checks:
             v = getattr(self, name)
@@ -110,12 +135,17 @@ class PromptBuilder:
         return cls(ChatTokenizer.from_pretrained(model_dir), context_length(model_dir))
 
     # -- prompt ids --------------------------------------------------------------------------------------
-    def chat_ids(self, messages: Sequence[Mapping], tools: Sequence[dict] | None = None) -> list[int]:
-        """The conversation through the checkpoint's chat template, ending with the generation prompt."""
+    def chat_ids(
+        self, messages: Sequence[Mapping], tools: Sequence[dict] | None = None, template_vars: Mapping | None = None
+    ) -> list[int]:
+        """The conversation through the checkpoint's chat template, ending with the generation prompt;
+        template_vars: more template variables (the API's `reasoning_effort`)."""
         from p2pk3.tokenizer import ChatTemplateError
 
         try:
-            ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+            ids = self.tok.apply_chat_template(
+                messages, add_generation_prompt=True, tools=tools, **dict(template_vars or {})
+            )
         except ChatTemplateError as e:
             raise PromptError("prompt", f"the chat template refused the messages: {e}") from None
         return self._nonempty(ids)
@@ -153,6 +183,25 @@ class PromptBuilder:
             )
         d = self.tok.generation_defaults
         max_tokens = asked.max_tokens if asked.max_tokens is not None else max(1, min(d.max_tokens(n_prompt), room))
+        bad = [t for t, _ in asked.logit_bias if not 0 <= t < self.tok.vocab_size]
+        if bad:
+            raise PromptError(
+                "logit_bias", f"logit_bias token ids {bad[:5]} are outside the vocabulary 0..{self.tok.vocab_size - 1}"
+            )
+
+        def pick(v, default):
+            return default if v is None else float(v)
+
+        extra = dict(
+            frequency_penalty=pick(asked.frequency_penalty, 0.0),
+            presence_penalty=pick(asked.presence_penalty, 0.0),
+            repetition_penalty=pick(asked.repetition_penalty, d.repetition_penalty),
+            min_p=pick(asked.min_p, d.min_p),
+            logit_bias=asked.logit_bias,
+            logprobs=asked.logprobs,
+            prompt_logprobs=asked.prompt_logprobs,
+            grammar=asked.grammar,
+        )
         return SamplingParams(
             temperature=d.temperature if asked.temperature is None else float(asked.temperature),
             top_p=d.top_p if asked.top_p is None else float(asked.top_p),
@@ -162,13 +211,18 @@ class PromptBuilder:
             stop_ids=() if asked.ignore_eos else self.tok.stop_ids,
             speculate=asked.speculate,
             draft_tokens=asked.draft_tokens,
+            **extra,
         )
 
     # -- whole requests ----------------------------------------------------------------------------------
     def chat(
-        self, messages: Sequence[Mapping], asked: SamplingOverrides, tools: Sequence[dict] | None = None
+        self,
+        messages: Sequence[Mapping],
+        asked: SamplingOverrides,
+        tools: Sequence[dict] | None = None,
+        template_vars: Mapping | None = None,
     ) -> Prompt:
-        ids = self.chat_ids(messages, tools)
+        ids = self.chat_ids(messages, tools, template_vars)
         return Prompt(ids, self.sampling(asked, len(ids)))
 
     def question(self, text: str, asked: SamplingOverrides) -> Prompt:

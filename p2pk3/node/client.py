@@ -9,7 +9,8 @@ Resuming: a client that knows other addresses of the cluster (`Client.connect(..
 entry dies: it finds the node that holds the entry role now (a standby takes it over), and sends the
 prompt plus the tokens received so far, so the stream continues with exactly the tokens an undisturbed
 run gives (sampling is a function of seed and position; with temperature > 0 and no seed the client
-draws the seed itself so that a resumed request keeps it). Without fallbacks a lost connection is a
+draws the seed itself so that a resumed request keeps it; the grammar and the penalties count the tokens
+received so far as output, `GenerateRequest.generated`). Without fallbacks a lost connection is a
 clean `RequestError("connection_lost", ...)`. Failures inside the ring never reach the client: the
 entry replays the sessions, and the client sees a pause.
 """
@@ -29,11 +30,13 @@ from p2pk3.transport.codec import ProtocolError
 from p2pk3.transport.connection import AuthenticationError, ConnectionClosed, TransportError, open_connection
 from p2pk3.transport.messages import (
     GenerateRequest,
+    TokenLogprob,
     cancel_frame,
     parse_done,
     parse_error,
     parse_status,
     parse_token,
+    parse_token_logprob,
     status_frame,
 )
 
@@ -69,12 +72,18 @@ class RequestError(RuntimeError):
 
 @dataclass
 class Reply:
+    """`tokens`: every generated id. With `params.logprobs` set: `logprobs`, one `TokenLogprob` per token
+    (its logprob and the top N: `top_ids`, `top_logprobs`); with `params.prompt_logprobs`: `prompt_logprobs`,
+    one per prompt token (the first has logprob None). None when not asked."""
+
     tokens: list[int]
     stats: dict
     stage_stats: dict
     logits: np.ndarray | None = None
     streamed: list[int] = field(default_factory=list)
     resumed: int = 0  # how many times the request moved to a new entry
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class Client:
@@ -195,39 +204,63 @@ class Client:
         resume: bool | None = None,
         max_queue: int | None = None,
         queue_timeout: float | None = None,
+        on_logprob: Callable[[int, TokenLogprob], None] | None = None,
     ) -> Reply:
         """One request; returns when it is done. Cancelling the awaiting task cancels the request in the
         ring (its caches are freed), or takes it out of the entry's queue. `resume` (default: when the
         client knows fallback addresses): carry an interrupted request over to a new entry. `max_queue` /
-        `queue_timeout`: tighter bounds than the entry's for this request's wait in its queue."""
+        `queue_timeout`: tighter bounds than the entry's for this request's wait in its queue.
+
+        `on_token(token_id)` is called for each token as it streams. With `params.logprobs` set, each token
+        arrives with its `TokenLogprob` (token, logprob, top_ids, top_logprobs): `on_logprob(token_id,
+        entry)` is called right after `on_token`, and `Reply.logprobs` has them all; with
+        `params.prompt_logprobs`, `Reply.prompt_logprobs` has the prompt's (echo)."""
         params = params or SamplingParams()
         resume = self.can_resume if resume is None else resume
         if resume and params.temperature > 0 and params.seed is None:
             params = params.with_seed(random.getrandbits(62))
         streamed: list[int] = []
+        lps: list[TokenLogprob] = []
         moves = 0
         while True:
             p = replace(params, max_tokens=params.max_tokens - len(streamed))
             try:
                 r = await self._one(
-                    list(prompt) + streamed, p, logits, incremental, streamed, on_token, (max_queue, queue_timeout)
+                    list(prompt) + streamed,
+                    p,
+                    logits,
+                    incremental,
+                    streamed,
+                    on_token,
+                    lps,
+                    on_logprob,
+                    len(streamed),
+                    (max_queue, queue_timeout),
                 )
                 r.tokens = streamed[: len(streamed) - len(r.streamed)] + r.tokens
                 r.streamed, r.resumed = streamed, moves
+                if params.logprobs is not None:
+                    r.logprobs = list(lps)
+                if r.prompt_logprobs is not None:
+                    r.prompt_logprobs = r.prompt_logprobs[: len(prompt)]
                 return r
             except LOST as e:
                 if not resume or logits:
                     raise RequestError("connection_lost", f"the connection to the entry was lost: {why(e)}") from None
                 if streamed and (streamed[-1] in params.stop_ids or len(streamed) >= params.max_tokens):
-                    return Reply(streamed, {}, {}, None, streamed, moves)
+                    return Reply(
+                        streamed, {}, {}, None, streamed, moves, list(lps) if params.logprobs is not None else None
+                    )
                 self.close()
                 self.conn = await self._find_entry(self.resume_timeout_s)
                 moves += 1
 
-    async def _one(self, prompt, params, logits, incremental, streamed, on_token, queue=(None, None)) -> Reply:
+    async def _one(
+        self, prompt, params, logits, incremental, streamed, on_token, lps, on_logprob, generated, queue=(None, None)
+    ) -> Reply:
         self._rid += 1
         rid = self._rid
-        req = GenerateRequest(rid, prompt, params, logits, incremental, *queue)
+        req = GenerateRequest(rid, prompt, params, logits, incremental, *queue, generated=generated)
         await self.conn.send(req.frame())
         mine = []
         try:
@@ -237,14 +270,20 @@ class Client:
                     continue  # a frame of an earlier, cancelled request
                 if f.kind == "token":
                     t = parse_token(f)[2]
+                    lp = parse_token_logprob(f)
                     streamed.append(t)
                     mine.append(t)
+                    if lp is not None:
+                        lps.append(lp)
                     if on_token:
                         on_token(t)
+                    if on_logprob and lp is not None:
+                        on_logprob(t, lp)
                 elif f.kind == "done":
                     d = parse_done(f)
                     lg = np.array(f.array("logits"), dtype=np.float32, copy=True) if f.has("logits") else None
-                    return Reply(d.tokens, d.stats, d.stage_stats, lg, mine)
+                    plp = list(d.prompt_logprobs) if d.prompt_logprobs is not None else None
+                    return Reply(d.tokens, d.stats, d.stage_stats, lg, mine, prompt_logprobs=plp)
                 elif f.kind == "error":
                     e = parse_error(f)
                     raise RequestError(e.code, e.message, e.retry_after)

@@ -29,6 +29,7 @@ import torch
 
 from p2pk3.checkpoint.stage import load_stage
 from p2pk3.engine.reference import configure_cpu_threads
+from p2pk3.engine.sampler import grammar_tokenizer
 from p2pk3.model.config import K3Config
 from p2pk3.topology import Topology
 from p2pk3.topology.sizing import loaded_weight_bytes
@@ -219,7 +220,10 @@ class NodeDaemon:
             None,
             o.compile,
         )  # formats: p2pk3.quant
-        self.runner = StageRunner(stage, *make_caches(stage, o, self.cfg, self.topo.model.formats))
+        gtok = (lambda: grammar_tokenizer(self.model_dir, self.cfg.vocab_size)) if plan.head else None
+        self.runner = StageRunner(
+            stage, *make_caches(stage, o, self.cfg, self.topo.model.formats), grammar_tokenizer=gtok
+        )
         self.worker = StageWorker(
             self.runner,
             self._executor,

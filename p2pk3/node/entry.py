@@ -32,6 +32,16 @@ and the measured ring time of passes by width, 0 included). The last stage accep
 target itself would have produced and adds the token after it; the entry appends them (up to a stop id or
 max_tokens) and the session's next segment starts after them, which tells every stage how far to roll
 back. Only accepted tokens enter the history, so a replay never sees a draft.
+
+Stateful sampling (penalties, grammar, prompt logprobs; `SamplingParams.stateful`): the last stage keeps
+the session's sampler state, fed by the token ids the entry sends with each segment (`Segment.ids`,
+`output_from`: where the output starts), so a replay rebuilds it from the history like the caches.
+Logprobs come back with the tokens (`Session.logprobs`, aligned with `generated`); prompt logprobs
+(echo) with the prefill chunks (`Session.prompt_lps`; a chunk asks only for positions still missing, so a
+replay does not score the prompt again).
+
+Over 500 lines as one module because the session table, the schedule that reads it and the results that
+update it are one state machine: split, each part would reach into the others' fields.
 """
 
 from __future__ import annotations
@@ -45,14 +55,16 @@ from dataclasses import dataclass, field
 import torch
 
 from p2pk3.engine.sampling import SamplingParams, fresh_seed
-from p2pk3.params import MAX_DRAFT
+from p2pk3.params import MAX_DRAFT, TokenLogprob
 from p2pk3.spec.draft_len import DraftLength, PassCost
 from p2pk3.spec.proposers import NgramProposer, SuffixIndex, SuffixProposer
+from p2pk3.transport.codec import MAX_HEADER_LEN
 from p2pk3.transport.messages import ErrorCode, Result, Segment
 
 from .stage_runner import Work
 
 
+PROMPT_LOGPROB_BYTES = 13  # a prompt logprob entry on the wire, per (1 + top) ids and logprobs, about
 # while sessions decode, a prefill unit costs at most this share of a decode unit: a stage runs at most one
 # prefill unit between two decode batches, so the others' inter-token time grows by at most 1 + this
 PREFILL_SHARE = 0.5
@@ -104,6 +116,24 @@ class Session:
     snap_points: list[int] = field(default_factory=list)
     cached: int = 0
     prefix: str | None = None
+    # stateful sampling and logprobs
+    output_from: int = 0  # the first position of the output (below: the prompt; < prompt_len when resumed)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per generated token, when asked
+    prompt_lps: list[TokenLogprob | None] = field(default_factory=list)  # per prompt position, when asked
+
+    def ids_at(self, start: int, n: int, lookahead: bool) -> tuple[int, ...]:
+        """What a segment of n tokens at `start` carries for the last stage's sampler (Segment.ids)."""
+        if not self.params.stateful:
+            return ()
+        return tuple(self.tokens[start : min(start + n + (1 if lookahead else 0), len(self.tokens))])
+
+    def scores_prompt(self, start: int, n: int) -> int | None:
+        """Segment.prompt_logprobs of a prefill chunk: the top N when the chunk predicts prompt tokens
+        still missing, else None."""
+        if self.params.prompt_logprobs is None:
+            return None
+        hi = min(start + n + 1, self.output_from)
+        return self.params.prompt_logprobs if any(e is None for e in self.prompt_lps[start + 1 : hi]) else None
 
     @property
     def generated(self) -> list[int]:
@@ -193,8 +223,15 @@ class Entry:
 
     # ------------------------------------------------------------------ public
     def submit(
-        self, prompt: list[int], params: SamplingParams, *, want_logits: bool = False, incremental: bool = False
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        want_logits: bool = False,
+        incremental: bool = False,
+        generated: int = 0,
     ) -> Session:
+        """`generated`: the prompt's last ids that are output already (a resumed request)."""
         live = sum(1 for s in self.sessions.values() if not s.done)
         if live >= self.max_sessions:
             raise Busy(f"busy: {live} sessions in flight (max {self.max_sessions}); retry later")
@@ -202,9 +239,20 @@ class Entry:
             raise ValueError("empty prompt")
         if params.temperature > 0 and params.seed is None:
             params = params.with_seed(fresh_seed())
+        if params.prompt_logprobs is not None:
+            need = (len(prompt) - generated) * PROMPT_LOGPROB_BYTES * (1 + params.prompt_logprobs)
+            if need > MAX_HEADER_LEN * 0.9:
+                raise ValueError(
+                    f"prompt logprobs of {len(prompt) - generated} tokens with top {params.prompt_logprobs} need about "
+                    f"{need >> 10} KiB, more than a done frame carries ({MAX_HEADER_LEN >> 10} KiB): ask fewer top "
+                    "logprobs or score a shorter prompt"
+                )
         sid = f"s{self.node_tag}-{next(self._ids)}"
         s = Session(sid, 0, list(prompt), len(prompt), params, want_logits, incremental)
         s.seg_params = params.sampler()
+        s.output_from = len(prompt) - generated
+        if params.prompt_logprobs is not None:
+            s.prompt_lps = [TokenLogprob(prompt[0], None)] + [None] * (s.output_from - 1)
         if params.speculating and not want_logits:
             s.proposer = self.proposer_factories[params.speculate]()
             s.draft_len = DraftLength()
@@ -318,7 +366,10 @@ class Entry:
                 draft = self._draft(s, budget - 1, width, drafting)
                 width += len(draft)
                 drafting = drafting or bool(draft)
-            segs.append(Segment(s.id, s.epoch, s.sent, 1 + len(draft), s.seg_params, s.want_logits, draft))
+            known = s.ids_at(s.sent, 1, False)
+            segs.append(
+                Segment(s.id, s.epoch, s.sent, 1 + len(draft), s.seg_params, s.want_logits, draft, known, s.output_from)
+            )
             ids.append(s.tokens[s.sent])
             ids.extend(draft)
             s.sent += 1
@@ -356,7 +407,22 @@ class Entry:
                     n, keys = self.prefixes.cut(s, n)
                 last = s.sent + n == len(s.tokens)
                 sample = s.seg_params if last and not s.want_logits else None
-                segs.append(Segment(s.id, s.epoch, s.sent, n, sample, s.want_logits, **keys))
+                known = s.ids_at(s.sent, n, True)
+                segs.append(
+                    Segment(
+                        s.id,
+                        s.epoch,
+                        s.sent,
+                        n,
+                        sample,
+                        s.want_logits,
+                        (),
+                        known,
+                        s.output_from,
+                        s.scores_prompt(s.sent, n) if known else None,
+                        **keys,
+                    )
+                )
                 ids.extend(s.tokens[s.sent : s.sent + n])
                 s.sent += n
                 s.sent_at.append(now)
@@ -461,6 +527,10 @@ class Entry:
                 if s.sent >= len(s.tokens) and not s.sent_at:
                     self._finish(s)
                 continue
+            for k, e in enumerate(r.prompt_logprobs):  # echo: the prompt tokens this chunk's rows predict
+                q = r.prompt_from + k
+                if 0 < q < len(s.prompt_lps):
+                    s.prompt_lps[q] = e
             if r.skip:
                 continue
             now = time.perf_counter()
@@ -496,8 +566,14 @@ class Entry:
             s.sent += len(r.accepted)  # the ring holds the accepted drafts already
             s.inflight_draft = 0
             added = 0
-            for tok in r.tokens:  # accepted drafts, then the token after them; a stop id or max_tokens ends it
+            lps = r.logprobs if s.params.logprobs is not None else ()
+            if s.params.logprobs is not None and len(lps) != len(r.tokens):
+                self._finish(s, error=f"the ring sent {len(lps)} logprobs for {len(r.tokens)} tokens", code="failed")
+                continue
+            for k, tok in enumerate(r.tokens):  # accepted drafts, then the token after them; a stop id or max_tokens ends it
                 s.tokens.append(tok)
+                if lps:
+                    s.logprobs.append(lps[k])
                 s.out.put_nowait(tok)
                 added += 1
                 if tok in s.params.stop_ids or len(s.generated) >= s.params.max_tokens:

@@ -134,8 +134,10 @@ class PrefixMatcher:
         self.restart(s)
 
     def restart(self, s) -> None:
-        """Start (again) at the longest point every slot holds (none for scoring: every position's logits)."""
-        pos, key = (0, None) if s.want_logits else self.match(s.tokens[: s.prompt_len], s.chain)
+        """Start (again) at the longest point every slot holds. None for scoring (every position's logits) and
+        for a session the last stage keeps sampler state for (`SamplingParams.stateful`: penalties, a grammar,
+        prompt logprobs), whose sampler must see the session's ids from position 0."""
+        pos, key = (0, None) if s.want_logits or s.params.stateful else self.match(s.tokens[: s.prompt_len], s.chain)
         s.sent, s.cached, s.prefix = pos, pos, key
 
     def missed(self, s) -> None:

@@ -75,7 +75,9 @@ class ClientService:
         rid = req.request_id
 
         def submit():
-            return self.entry.submit(req.prompt, req.params, want_logits=req.logits, incremental=req.incremental)
+            return self.entry.submit(
+                req.prompt, req.params, want_logits=req.logits, incremental=req.incremental, generated=req.generated
+            )
 
         try:
             s = await self.admission.admit(submit, max_queue=req.max_queue, timeout_s=req.queue_timeout)
@@ -117,16 +119,25 @@ class ClientService:
 
     async def _stream(self, conn, rid: int, s, reqs: ClientRequests) -> None:
         try:
+            n = 0
             while True:
                 tok = await s.out.get()
                 if tok is None:
                     break
-                await conn.send(token_frame(rid, s.id, tok))
+                lp = s.logprobs[n] if n < len(s.logprobs) else None  # aligned with the generated tokens
+                n += 1
+                await conn.send(token_frame(rid, s.id, tok, lp))
             if s.error:
                 await conn.send(error_frame(s.error_code or ErrorCode.FAILED, s.error, request_id=rid, session=s.id))
                 return
             logits = wire_tensor(torch.cat(s.logits)) if s.want_logits and s.logits else None
-            await conn.send(done_frame(rid, s.id, s.generated, s.stats(), self.stage_stats(), logits))
+            plp = s.prompt_lps if s.params.prompt_logprobs is not None else None
+            if plp is not None and any(e is None for e in plp):
+                await conn.send(
+                    error_frame(ErrorCode.FAILED, "the ring did not score every prompt token", request_id=rid)
+                )
+                return
+            await conn.send(done_frame(rid, s.id, s.generated, s.stats(), self.stage_stats(), logits, plp))
         except (ConnectionClosed, TransportError, ConnectionError):
             self.entry.cancel(s.id, "client went away")
         finally:

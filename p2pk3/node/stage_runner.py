@@ -8,15 +8,21 @@ last stage (the sampling parameters travel in each segment, and the random strea
 Sessions are versioned by `epoch`: a segment at position 0 with a newer epoch than the stage holds
 (the entry replays a session after a failure) drops the old state and opens the session afresh; a
 segment of an older epoch is refused (`SessionError`).
+
+The last stage keeps a `SessionSampler` (engine/sampler.py) per session whose sampling is stateful
+(penalties, grammar, prompt logprobs): the segments' `ids` feed its history, it lives and dies with the
+session's epoch here, and its errors (a grammar that does not compile) fail only that session.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
+from p2pk3.engine.sampler import SamplerError, SessionSampler
 from p2pk3.engine.sampling import sample_at
 from p2pk3.model.cache import CacheFull, SessionError, Span, StageCache
 from p2pk3.model.dtypes import TORCH_DTYPES
@@ -113,10 +119,21 @@ def merge(works: list[Work]) -> Work:
 class StageRunner:
     """Runs packed batches through one stage and its caches; owns which epoch of each session it holds."""
 
-    def __init__(self, stage: K3Stage, cache: StageCache, prefix: PrefixCache | None = None):
+    def __init__(
+        self,
+        stage: K3Stage,
+        cache: StageCache,
+        prefix: PrefixCache | None = None,
+        grammar_tokenizer: Callable | None = None,
+    ):
+        """prefix: the stage's prefix cache (p2pk3/model/prefix_cache.py), None: off. grammar_tokenizer: () ->
+        the checkpoint's `GrammarTokenizer` (called on the first grammar; None: requests with a grammar fail
+        with a clear error)."""
         self.stage, self.cache = stage, cache
-        self.prefix = prefix  # the stage's prefix cache (p2pk3/model/prefix_cache.py), None: off
+        self.prefix = prefix
+        self.grammar_tokenizer = grammar_tokenizer
         self.epochs: dict[str, int] = {}
+        self.samplers: dict[str, SessionSampler] = {}  # last stage: the stateful sessions' sampler state
         # speculative decoding, for the status: passes by batch width (EMA ms, count), verify segments by
         # width (k + 1), rollbacks
         self.pass_ms: dict[int, float] = {}
@@ -141,6 +158,7 @@ class StageRunner:
         del self.epochs[session]
         if self.prefix is not None:
             self.prefix.forget(session)
+        self.samplers.pop(session, None)
         return True
 
     @torch.inference_mode()
@@ -239,13 +257,15 @@ class StageRunner:
             self._rollback(work.segments, opened)
             spans = [Span(str(s.session), s.start_pos, s.n_tokens, verify=bool(s.draft)) for s in work.segments]
             want_all = self.plan.head and any(s.want_logits for s in work.segments)
-            verify = self.plan.head and not want_all and any(s.draft for s in work.segments)
+            # rows per segment: every position of a verify segment and of a scored prompt chunk, else the last
+            counts = [s.n_tokens if want_all or s.draft or s.prompt_logprobs is not None else 1 for s in work.segments]
+            select = self.plan.head and not want_all and any(c > 1 for c in counts)
             out = self.stage(
                 spans,
                 self.cache,
                 tokens=work.tokens,
                 hop=work.hop,
-                logits="all" if want_all else "none" if verify else "last",
+                logits="all" if want_all else "none" if select else "last",
             )
         except Exception:
             for sid in opened:
@@ -253,13 +273,13 @@ class StageRunner:
             raise
         if self.prefix is not None:
             self._keep_prefixes(work.segments)
-        if verify:  # logits of every position of a verify segment, of the last one of the others
+        if select:
             idx, r = [], 0
-            for sg in work.segments:
-                idx.extend(range(r, r + sg.n_tokens) if sg.draft else [r + sg.n_tokens - 1])
+            for sg, c in zip(work.segments, counts):
+                idx.extend(range(r + sg.n_tokens - c, r + sg.n_tokens))
                 r += sg.n_tokens
             out = self._project(out[torch.tensor(idx, device=out.device)])
-        res = HopOut(out) if not self.plan.head else self._sample(work.segments, out, want_all)
+        res = HopOut(out) if not self.plan.head else self._sample(work.segments, out, counts)
         self._account(work, time.perf_counter() - t0)
         return res
 
@@ -298,32 +318,81 @@ class StageRunner:
             "checkpoint_bytes": self.cache.checkpoint_bytes(),
         }
 
-    def _sample(self, segments: list[Segment], logits: torch.Tensor, all_rows: bool) -> HeadOut:
+    def _sample(self, segments: list[Segment], logits: torch.Tensor, counts: list[int]) -> HeadOut:
         results, rows = [], []
         r = 0
-        for s in segments:
-            n = s.n_tokens if all_rows or s.draft else 1
-            last = logits[r + n - 1]
-            pos = s.start_pos + s.n_tokens
+        for s, n in zip(segments, counts):
             if s.want_logits:
                 rows.append(logits[r : r + n])
-                results.append(Result(s.session, s.epoch, pos, int(torch.argmax(last)), rows=n))
-            elif s.draft:  # verify: rows r .. r+n-1 are positions start_pos .. start_pos+k
+                pos = s.start_pos + s.n_tokens
+                results.append(Result(s.session, s.epoch, pos, int(torch.argmax(logits[r + n - 1])), rows=n))
+            else:
                 try:
-                    acc, tok = verify_draft(logits[r : r + n], s.draft, s.sample, s.start_pos)
-                    results.append(Result(s.session, s.epoch, s.start_pos + len(acc) + 1, tok, accepted=tuple(acc)))
-                except RuntimeError as e:  # as below: only this session fails
+                    results.append(self._sample_one(s, logits[r : r + n]))
+                except (RuntimeError, SamplerError) as e:  # e.g. temperature 1e-300: inf/nan probabilities, or a
+                    # grammar that does not compile. Only this session fails (the batch is already committed,
+                    # a rerun would fail its batch-mates)
+                    pos = s.start_pos + s.n_tokens
                     results.append(Result(s.session, s.epoch, pos, error=f"sampling failed: {e}", code="bad_request"))
-            elif s.sample is not None:
-                try:
-                    results.append(Result(s.session, s.epoch, pos, sample_at(last, s.sample, pos)))
-                except RuntimeError as e:  # e.g. temperature 1e-300: inf/nan probabilities. Only this
-                    # session fails (the batch is already committed, a rerun would fail its batch-mates)
-                    results.append(Result(s.session, s.epoch, pos, error=f"sampling failed: {e}", code="bad_request"))
-            else:  # a prefill chunk that is not the prompt's last: nothing to sample
-                results.append(Result(s.session, s.epoch, pos, skip=True))
             r += n
         return HeadOut(results, torch.cat(rows) if rows else None)
+
+    def _sampler(self, s: Segment) -> SessionSampler | None:
+        """The session's sampler state, fed with the segment's ids (None: a stateless session)."""
+        sid = str(s.session)
+        if not s.ids:
+            return self.samplers.get(sid)
+        smp = self.samplers.get(sid)
+        if smp is None or s.start_pos == 0:
+            smp = self.samplers[sid] = SessionSampler()
+        smp.feed(s.start_pos, s.ids, s.output_from)
+        if s.sample is not None and smp.params is None:
+            smp.configure(s.sample, self._grammar_tokenizer() if s.sample.grammar is not None else None)
+        return smp
+
+    def _grammar_tokenizer(self):
+        """The checkpoint's GrammarTokenizer (built on first use), or SamplerError saying why there is none."""
+        if self.grammar_tokenizer is None:
+            raise SamplerError("this stage was started without the checkpoint's tokenizer (structured outputs)")
+        try:
+            return self.grammar_tokenizer()
+        except (OSError, ImportError, ValueError) as e:  # no tokenizer files, no llguidance, a bad vocabulary
+            raise SamplerError(f"the grammar engine cannot start on this stage: {e}") from None
+
+    def _sample_one(self, s: Segment, rows: torch.Tensor) -> Result:
+        """One segment's result from its logits rows (the last one, or all of a verify / scored segment)."""
+        smp = self._sampler(s)
+        pfrom, plps = 0, []
+        if s.prompt_logprobs is not None and smp is not None:
+            pfrom, plps = smp.prompt_logprobs(rows, s.start_pos, s.prompt_logprobs)
+        pos = s.start_pos + s.n_tokens
+        p = s.sample
+        if p is None:  # a prefill chunk that is not the prompt's last: nothing to sample
+            return Result(s.session, s.epoch, pos, skip=True, prompt_logprobs=tuple(plps), prompt_from=pfrom)
+        plain = smp is None and not p.penalized and p.logprobs is None
+        if smp is None and not plain:
+            smp = SessionSampler(p)  # logit_bias / min_p / logprobs need no history
+        if s.draft:  # verify: rows are positions start_pos .. start_pos + k
+            if plain:
+                acc, tok = verify_draft(rows, s.draft, p, s.start_pos)
+                lps = None
+            else:
+                acc, tok, lps = smp.verify(rows, s.draft, s.start_pos)
+            return Result(
+                s.session, s.epoch, s.start_pos + len(acc) + 1, tok, accepted=tuple(acc), logprobs=tuple(lps or ())
+            )
+        if plain:
+            return Result(s.session, s.epoch, pos, sample_at(rows[-1], p, pos))
+        tok, lp = smp.sample(rows[-1], pos)
+        return Result(
+            s.session,
+            s.epoch,
+            pos,
+            tok,
+            logprobs=(lp,) if lp is not None else (),
+            prompt_logprobs=tuple(plps),
+            prompt_from=pfrom,
+        )
 
 
 def hop_frame(segments: list[Segment], hop: Hop, next_layer: int) -> Frame:

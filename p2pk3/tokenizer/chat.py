@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -244,10 +244,14 @@ class ChatTokenizer:
     def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
         return self.tokenizer.decode(ids, skip_special=skip_special)
 
-    def stream_decoder(self, skip_special: bool = True) -> StreamDecoder:
-        """A fresh StreamDecoder over this tokenizer (special tokens dropped from the text by default)."""
+    def stream_decoder(self, skip_special: bool = True, keep: Collection[int] = ()) -> StreamDecoder:
+        """A fresh StreamDecoder over this tokenizer (special tokens dropped from the text by default, except
+        the ids in `keep`: the markers an answer parser reads, p2pk3/api/answer.py)."""
         tok = self.tokenizer
-        return StreamDecoder(lambda ids: tok.decode(ids, skip_special=skip_special))
+        if not skip_special or not keep:
+            return StreamDecoder(lambda ids: tok.decode(ids, skip_special=skip_special))
+        keep, specials = frozenset(keep), tok.id_to_special
+        return StreamDecoder(lambda ids: tok.decode([i for i in ids if i in keep or i not in specials]))
 
     @property
     def special(self) -> dict[str, int]:

@@ -11,6 +11,8 @@ Fields are in the engine's terms (`p2pk3.engine.sampling.SamplingParams`): `temp
 * `do_sample: true` -> the file's temperature, 1.0 when it has none;
 * no `do_sample`: the file's temperature if it has one (as vLLM uses generation_config), else greedy;
 * `top_k` missing -> 0 (off; transformers would use 50 when sampling), `top_p` missing -> 1.0;
+* `repetition_penalty` (> 0, missing -> 1.0, off) and `min_p` (0..1, missing -> 0.0, off), as transformers
+  and vLLM read them (frequency / presence penalties are OpenAI's, not generation_config fields);
 * `eos_token_id` may be an int or a list of ints; `max_new_tokens` / `max_length` are kept as given
   (max_length counts the prompt too, see `max_tokens`).
 """
@@ -31,6 +33,8 @@ class GenerationDefaults:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
     max_new_tokens: int | None = None
     max_length: int | None = None
     eos_token_id: tuple[int, ...] = ()
@@ -92,10 +96,14 @@ def load_generation_defaults(model_dir: str | Path) -> GenerationDefaults:
         temperature = 0.0 if temp is None else temp
     top_p = num("top_p", float, lambda v: 0 < v <= 1, "in (0, 1]")
     top_k = num("top_k", int, lambda v: v >= 0, "an int >= 0")
+    rep = num("repetition_penalty", float, lambda v: v > 0, "a number > 0 (1.0: off)")
+    min_p = num("min_p", float, lambda v: 0 <= v <= 1, "in [0, 1]")
     return GenerationDefaults(
         temperature=temperature,
         top_p=1.0 if top_p is None else top_p,
         top_k=0 if top_k is None else top_k,
+        repetition_penalty=1.0 if rep is None else rep,
+        min_p=0.0 if min_p is None else min_p,
         max_new_tokens=num("max_new_tokens", int, lambda v: v >= 0, "an int >= 0"),
         max_length=num("max_length", int, lambda v: v > 0, "an int > 0"),
         eos_token_id=_ids(cfg.get("eos_token_id"), str(p)),

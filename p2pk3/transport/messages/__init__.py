@@ -30,6 +30,7 @@ from .client import (
     parse_error,
     parse_status,
     parse_token,
+    parse_token_logprob,
     status_frame,
     token_frame,
 )
@@ -55,6 +56,8 @@ from .control import (
     route_frame,
     takeover_frame,
 )
+from p2pk3.params import TokenLogprob
+
 from .fields import MAX_SESSION_ID, ErrorCode
 from .files import (
     FILE_CHUNK,
@@ -95,6 +98,7 @@ __all__ = [
     "ErrorCode",
     "MAX_SESSION_ID",
     "MAX_PROMPT",
+    "TokenLogprob",
     # ring
     "Segment",
     "Forward",
@@ -117,6 +121,7 @@ __all__ = [
     "GenerateRequest",
     "token_frame",
     "parse_token",
+    "parse_token_logprob",
     "Done",
     "done_frame",
     "parse_done",

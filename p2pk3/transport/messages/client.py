@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from p2pk3.params import SamplingParams
+from p2pk3.params import SamplingParams, TokenLogprob
 
 from ..codec import Frame, ProtocolError
-from .fields import brief, check_session, count, expect, finite, is_int
+from .fields import brief, check_session, count, expect, finite, is_int, logprob_entry, logprob_list
 
 MAX_PROMPT = 1 << 20
 
@@ -20,7 +20,9 @@ class GenerateRequest:
     position's logits instead of sampling (with max_tokens 0: scoring). `incremental`: feed the prompt
     one token per step (the decode path). `max_queue` / `queue_timeout` (optional): the most requests this
     one may find waiting before it, and the most seconds it waits in the entry's queue (node/admission.py);
-    they only tighten the entry's own bounds."""
+    they only tighten the entry's own bounds. `generated`: the last `generated` ids of the prompt are output
+    of an earlier run of this request (a client resuming it at a new entry): the grammar and the
+    penalties count them as output, and prompt logprobs cover only the ids before them."""
 
     request_id: int
     prompt: list[int]
@@ -29,10 +31,13 @@ class GenerateRequest:
     incremental: bool = False
     max_queue: int | None = None
     queue_timeout: float | None = None
+    generated: int = 0
 
     def frame(self) -> Frame:
         queue = {"max_queue": self.max_queue, "queue_timeout": self.queue_timeout}
-        queue = {k: v for k, v in queue.items() if v is not None}
+        extra = {k: v for k, v in queue.items() if v is not None}
+        if self.generated:
+            extra["generated"] = int(self.generated)
         return Frame.make(
             "generate",
             request_id=self.request_id,
@@ -40,7 +45,7 @@ class GenerateRequest:
             params=self.params.to_wire(),
             logits=self.logits,
             incremental=self.incremental,
-            **queue,
+            **extra,
         )
 
     @classmethod
@@ -61,6 +66,9 @@ class GenerateRequest:
                 f"prompt must be a non-empty list of at most {MAX_PROMPT} token ids in 0..{vocab_size - 1}"
             )
         params = finite(SamplingParams.from_wire(h.get("params") or {}))
+        bad = [t for t, _ in params.logit_bias if t >= vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary 0..{vocab_size - 1}")
         flags = {k: h.get(k, False) for k in ("logits", "incremental")}
         for k, v in flags.items():
             if not isinstance(v, bool):
@@ -72,36 +80,56 @@ class GenerateRequest:
             isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout < 1e7
         ):
             raise ValueError(f"queue_timeout must be a number of seconds > 0, got {brief(timeout)}")
-        return cls(rid, prompt, params, flags["logits"], flags["incremental"], max_queue, timeout)
+        gen = h.get("generated", 0)
+        if not is_int(gen) or not 0 <= gen < len(prompt):
+            raise ValueError(f"generated must be an integer in 0..{len(prompt) - 1} (the prompt has {len(prompt)} ids)")
+        return cls(rid, prompt, params, flags["logits"], flags["incremental"], max_queue, timeout, gen)
 
 
-def token_frame(request_id: int, session: str, token: int) -> Frame:
-    return Frame.make("token", request_id=request_id, session=session, token=int(token))
+def token_frame(request_id: int, session: str, token: int, logprob: TokenLogprob | None = None) -> Frame:
+    """One generated token; with `logprob` when the request asked for logprobs."""
+    extra = {"logprob": logprob.to_wire()} if logprob is not None else {}
+    return Frame.make("token", request_id=request_id, session=session, token=int(token), **extra)
 
 
 def parse_token(frame: Frame) -> tuple[int, str | int, int]:
-    """(request_id, session, token)."""
+    """(request_id, session, token). The logprob, when there is one: `parse_token_logprob`."""
     h = expect(frame, "token")
     check_session(h.get("session"), "token frame")
     return _request_id(h, "token frame"), h["session"], count(h.get("token"), "token frame: token")
 
 
+def parse_token_logprob(frame: Frame) -> TokenLogprob | None:
+    """The token's logprob entry (None when the request did not ask for logprobs)."""
+    v = expect(frame, "token").get("logprob")
+    return None if v is None else logprob_entry(v, "token frame: logprob")
+
+
 @dataclass
 class Done:
     """A parsed `done`: every generated token, the request's `stats` and the entry's status
-    (`stage_stats`); the logits, when asked, stay in the frame (`frame.array("logits")`)."""
+    (`stage_stats`); the logits, when asked, stay in the frame (`frame.array("logits")`).
+    `prompt_logprobs` (when the request asked): one entry per prompt token (the first has logprob None)."""
 
     request_id: int
     session: str | int
     tokens: list[int]
     stats: dict
     stage_stats: dict
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 def done_frame(
-    request_id: int, session: str, tokens: list[int], stats: dict, stage_stats: dict, logits: Any = None
+    request_id: int,
+    session: str,
+    tokens: list[int],
+    stats: dict,
+    stage_stats: dict,
+    logits: Any = None,
+    prompt_logprobs: list[TokenLogprob] | None = None,
 ) -> Frame:
     tensors = [("logits", logits)] if logits is not None else None
+    extra = {"prompt_logprobs": [e.to_wire() for e in prompt_logprobs]} if prompt_logprobs is not None else {}
     return Frame.make(
         "done",
         tensors,
@@ -110,6 +138,7 @@ def done_frame(
         tokens=[int(t) for t in tokens],
         stats=stats,
         stage_stats=stage_stats,
+        **extra,
     )
 
 
@@ -125,7 +154,9 @@ def parse_done(frame: Frame) -> Done:
         raise ProtocolError(f"{w}: stats and stage_stats must be maps")
     if frame.has("logits") and frame.desc("logits")["dtype"] != "float32":
         raise ProtocolError(f"{w}: logits must be float32, not {frame.desc('logits')['dtype']}")
-    return Done(_request_id(h, w), h["session"], tokens, stats, stage)
+    plp = h.get("prompt_logprobs")
+    plp = None if plp is None else logprob_list(plp, f"{w}: prompt_logprobs", MAX_PROMPT)
+    return Done(_request_id(h, w), h["session"], tokens, stats, stage, plp)
 
 
 def cancel_frame(request_id: int) -> Frame:

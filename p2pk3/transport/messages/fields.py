@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from p2pk3.params import SamplingParams
+from p2pk3.params import SamplingParams, TokenLogprob
 
 from ..codec import Frame, ProtocolError
 
@@ -63,7 +63,8 @@ def check_session(v: Any, where: str) -> None:
 
 
 def finite(p: SamplingParams) -> SamplingParams:
-    """SamplingParams.from_wire takes any float; NaN / inf make the sampler fail (or divide by zero)."""
+    """SamplingParams.from_wire takes any float; NaN / inf make the sampler fail (or divide by zero).
+    (The agent fields are checked finite by from_wire itself.)"""
     for k in ("temperature", "top_p"):
         v = getattr(p, k)
         if not math.isfinite(v):
@@ -82,3 +83,17 @@ def expect(frame: Frame, kind: str) -> dict[str, Any]:
     if frame.kind != kind:
         raise ProtocolError(f"expected a {kind} frame, got {frame.kind!r}")
     return frame.header
+
+
+def logprob_list(v: Any, where: str, limit: int) -> tuple[TokenLogprob, ...]:
+    """A list of logprob entries (at most `limit`)."""
+    if not isinstance(v, (list, tuple)) or len(v) > limit:
+        raise ProtocolError(f"{where}: must be a list of at most {limit} logprob entries")
+    return tuple(logprob_entry(e, f"{where}[{i}]") for i, e in enumerate(v))
+
+
+def logprob_entry(v: Any, where: str) -> TokenLogprob:
+    try:
+        return TokenLogprob.from_wire(v)
+    except ValueError as e:
+        raise ProtocolError(f"{where}: {e}") from None

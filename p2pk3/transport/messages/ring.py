@@ -7,10 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from p2pk3.params import MAX_DRAFT, SamplingParams
+from p2pk3.params import MAX_DRAFT, MAX_LOGPROBS, SamplingParams, TokenLogprob
 
 from ..codec import Frame, ProtocolError
-from .fields import ErrorCode, check_session, expect, is_int, name, sampling
+from .fields import ErrorCode, check_session, expect, is_int, logprob_list, name, sampling
 
 
 # ------------------------------------------------------------------------------------------ segments
@@ -29,7 +29,15 @@ class Segment:
     Prefix cache (p2pk3/node/prefix_match.py): `prefix` names the cached point (a chained block hash) the
     session starts at, on its first segment of an epoch that starts at start_pos > 0 (a stage that does not
     hold it answers code `prefix_miss`); `blocks` are the keys of the block boundaries the segment completes,
-    `snap` the key of its end point when the entry wants the stages to keep a state snapshot there."""
+    `snap` the key of its end point when the entry wants the stages to keep a state snapshot there.
+
+    The last stage's sampler state (penalties, grammar, prompt logprobs: `SamplingParams.stateful`) needs
+    the session's token ids, which only the entry has. Segments of such a session carry `ids`: the ids at
+    positions start_pos .. start_pos + len(ids) - 1, i.e. the segment's own tokens (drafts excluded: they
+    are in `draft`) and, for a prefill chunk with more history after it, the next position's id (so the
+    chunk's last row can be scored); and `output_from`: the first position of the output (generated
+    tokens; the prompt is below it; after a replay the output so far is prefilled again). `prompt_logprobs`
+    (N, 0..20): return the logprobs of the prompt tokens this segment's rows predict, with the top N."""
 
     session: str | int
     epoch: int
@@ -38,6 +46,9 @@ class Segment:
     sample: SamplingParams | None = None
     want_logits: bool = False
     draft: tuple[int, ...] = ()
+    ids: tuple[int, ...] = ()
+    output_from: int = 0
+    prompt_logprobs: int | None = None
     prefix: str | None = None
     blocks: tuple[str, ...] = ()
     snap: str | None = None
@@ -55,6 +66,11 @@ class Segment:
             d["logits"] = True
         if self.draft:
             d["draft"] = [int(t) for t in self.draft]
+        if self.ids:
+            d["ids"] = [int(t) for t in self.ids]
+            d["output_from"] = int(self.output_from)
+        if self.prompt_logprobs is not None:
+            d["prompt_logprobs"] = int(self.prompt_logprobs)
         if self.prefix is not None:
             d["prefix"] = self.prefix
         if self.blocks:
@@ -94,8 +110,32 @@ class Segment:
             raise ProtocolError(f"{where}: a prefix names the cached point the segment starts at: start_pos > 0")
         if not isinstance(blocks, list) or len(blocks) > d["n_tokens"] or not all(_is_key(k) for k in blocks):
             raise ProtocolError(f"{where}: blocks must be a list of at most n_tokens block keys")
+        ids = d.get("ids", [])
+        n = d["n_tokens"] - len(draft)
+        if not isinstance(ids, list) or len(ids) > n + 1 or not all(is_int(t) and t >= 0 for t in ids):
+            raise ProtocolError(f"{where}: ids must be a list of at most {n + 1} non-negative token ids")
+        out_from = d.get("output_from", 0)
+        if not is_int(out_from) or out_from < 0:
+            raise ProtocolError(f"{where}: output_from must be a non-negative integer, got {out_from!r}")
+        plp = d.get("prompt_logprobs")
+        if plp is not None and (not is_int(plp) or not 0 <= plp <= MAX_LOGPROBS):
+            raise ProtocolError(f"{where}: prompt_logprobs must be an integer in 0..{MAX_LOGPROBS}, got {plp!r}")
+        if plp is not None and not ids:
+            raise ProtocolError(f"{where}: prompt_logprobs needs the segment's ids")
         return cls(
-            d["session"], d["epoch"], d["start_pos"], d["n_tokens"], sample, want, tuple(draft), prefix, tuple(blocks), snap
+            d["session"],
+            d["epoch"],
+            d["start_pos"],
+            d["n_tokens"],
+            sample,
+            want,
+            tuple(draft),
+            ids=tuple(ids),
+            output_from=out_from,
+            prompt_logprobs=plp,
+            prefix=prefix,
+            blocks=tuple(blocks),
+            snap=snap,
         )
 
 
@@ -216,7 +256,11 @@ class Result:
 
     For a segment with a draft: `accepted` are the drafted tokens the target accepted (the longest prefix
     it would have produced itself), `token` the one it produced after them (at the first mismatch, or
-    after all k), at position `pos`; the session continues with accepted + [token]."""
+    after all k), at position `pos`; the session continues with accepted + [token].
+
+    `logprobs` (when the sampling parameters ask for them): one entry per token of `tokens`, in order.
+    `prompt_logprobs` (when the segment asked): entries for the prompt tokens at positions `prompt_from`,
+    `prompt_from` + 1, ... that the segment's rows predict. Only these small entries travel, never rows."""
 
     session: str | int
     epoch: int
@@ -227,6 +271,9 @@ class Result:
     error: str | None = None
     code: str | None = None  # with error: an ErrorCode (busy: the stage's cache is full)
     accepted: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_from: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -244,6 +291,11 @@ class Result:
         if self.error is not None:
             d["error"] = self.error
             d["code"] = self.code or ErrorCode.FAILED
+        if self.logprobs:
+            d["logprobs"] = [e.to_wire() for e in self.logprobs]
+        if self.prompt_logprobs:
+            d["prompt_logprobs"] = [e.to_wire() for e in self.prompt_logprobs]
+            d["prompt_from"] = int(self.prompt_from)
         return d
 
     @classmethod
@@ -267,7 +319,16 @@ class Result:
         acc = r.get("accepted", [])
         if not isinstance(acc, list) or len(acc) > MAX_DRAFT or not all(is_int(t) and t >= 0 for t in acc):
             raise ProtocolError(f"{where}: accepted must be a list of at most {MAX_DRAFT} non-negative token ids")
-        return cls(r["session"], r["epoch"], r["pos"], r["token"], skip, rows, err, code, tuple(acc))
+        lps = logprob_list(r.get("logprobs", []), f"{where}: logprobs", MAX_DRAFT + 1)
+        if lps and len(lps) != len(acc) + 1:
+            raise ProtocolError(f"{where}: {len(lps)} logprob entries for {len(acc) + 1} tokens")
+        plps = logprob_list(r.get("prompt_logprobs", []), f"{where}: prompt_logprobs", 1 << 20)
+        pfrom = r.get("prompt_from", 0)
+        if not is_int(pfrom) or pfrom < 0:
+            raise ProtocolError(f"{where}: prompt_from must be a non-negative integer, got {pfrom!r}")
+        return cls(
+            r["session"], r["epoch"], r["pos"], r["token"], skip, rows, err, code, tuple(acc), lps, plps, pfrom
+        )
 
 
 def result_frame(results: Iterable[Result], logits: Any = None) -> Frame:
