@@ -72,6 +72,7 @@ class Coordinator:
         broadcast: Callable[..., Awaitable[None]],
         retain: Callable[[dict[str, int]], None],
         request: Request,
+        degraded=None,
     ):
         self.entry, self.slot_id, self.topo, self.opts, self.routes = entry, slot_id, topo, opts, routes
         self.holder_of, self.mark_dead, self.broadcast, self.retain, self.request = (
@@ -82,6 +83,7 @@ class Coordinator:
             request,
         )
         self.monitor: Monitor | None = None
+        self.degraded = degraded  # node/degraded.py DegradedWatch: a slow stage is repaired like a dead one
         self.down: dict[str, PeerState] = {}  # active slots that are down, by slot id
         self.unavailable: str | None = None  # why requests are refused (no standby for a down slot)
         self._wake = asyncio.Event()
@@ -167,6 +169,11 @@ class Coordinator:
             entry.expire(self.opts.unit_timeout_s)
             await self._retain_now_and_then(entry)
             self._scan()
+            if not self.down and self.degraded is not None and not entry.paused:
+                slot = await self.degraded.check(self._live_standbys())
+                if slot is not None:  # its holder stepped down: a standby takes it over, sessions replay
+                    self.down[slot] = self.monitor.state(slot)
+                    self.events.append(self.degraded.events[-1])
             if not self.down:
                 if self.unavailable or entry.paused:
                     await self._recovered("the ring is whole again")

@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 from .codec import DEFAULT_MAX_PAYLOAD, MAX_HEADER_LEN, Frame, ProtocolError, encode
 from .decoder import FrameDecoder
-from .faults import Faults
+from .faults import PROCESS, Faults
 from .messages import error_frame
 
 log = logging.getLogger("p2pk3.transport")
@@ -192,7 +192,7 @@ class Connection:
         self._secret_b = check_secret(secret)
         self.role = role
         self.max_payload = max_payload
-        self.faults = faults or Faults()
+        self.faults = faults if faults is not None else PROCESS
         self.checksum = checksum
         self.expect_peer = expect_peer
         self.peer_id: str | None = None

@@ -4,7 +4,7 @@ them by who talks:
 
 * ring.py: between daemons along the ring: `forward`, `result`, `free`, `ping` / `pong`;
 * client.py: any authenticated peer <-> the entry: `generate`, `token`, `done`, `cancel`, `status`, `error`;
-* control.py: slot claims (`claim`, `claim_result`) and failure handling (`takeover`, `route`, `retain`);
+* control.py: slot claims (`claim`, `claim_result`) and failure handling (`takeover`, `route`, `retain`, `handover`);
 * files.py: file sharing between nodes (`file_list` -> `file_index`, `file_get` -> `file_chunk`);
 * fields.py: the field checks they share, and the error codes.
 
@@ -46,9 +46,11 @@ from .control import (
     parse_retain,
     parse_route,
     parse_takeover,
+    parse_handover,
     retain_frame,
     route_frame,
     takeover_frame,
+    handover_frame,
 )
 from .fields import MAX_SESSION_ID, ErrorCode
 from .files import (
@@ -124,6 +126,8 @@ __all__ = [
     "parse_claim_result",
     "takeover_frame",
     "parse_takeover",
+    "handover_frame",
+    "parse_handover",
     "Route",
     "route_frame",
     "parse_route",
