@@ -52,6 +52,36 @@ def test_a_stage_slower_than_the_factor_for_the_time_is_degraded_and_only_then()
     assert not figs["s1"].degraded and figs["s1"].slow_since is None
 
 
+def test_a_slow_stage_that_batches_more_is_judged_at_its_batch_widths():
+    """Behind the others, a slow stage merges queued units into wider batches: per token it looks only
+    2.6x slower, at the widths it runs 3.5x, and that is what counts."""
+    det = DegradedDetector(3.0, 5.0)
+    t, counts = 0.0, {s: [0.0, 0, {}] for s in ("s0", "s1", "s2")}
+    table = {4: 4.0, 8: 6.0}  # every stage's pass ms by width when healthy
+
+    def step(slow: bool):
+        nonlocal t
+        t += 0.5
+        for s, c in counts.items():
+            w = 8 if (slow and s == "s1") else 4
+            ms = table[w] * (3.5 if (slow and s == "s1") else 1.0)
+            passes = 4 // (w // 4)  # 16 tokens a step either way
+            c[0] += passes * ms / 1000
+            c[1] += 16
+            c[2][w] = c[2].get(w, 0) + passes
+            pms = dict(table) if not (slow and s == "s1") else {4: table[4], 8: ms}
+            det.observe(s, f"{s}@h", c[0], c[1], dict(c[2]), pms, now=t)
+        return det.evaluate(t)
+
+    for _ in range(40):
+        step(False)
+    for _ in range(24):
+        figs = step(True)
+    per_token = figs["s1"].ms_per_token / figs["s0"].ms_per_token
+    assert per_token == pytest.approx(2.625, rel=0.05)
+    assert figs["s1"].slowdown == pytest.approx(3.5, rel=0.05) and figs["s1"].degraded
+
+
 def test_a_workload_shift_on_every_stage_is_not_a_degraded_stage():
     ring = Ring(DegradedDetector(3.0, 5.0), {"s0": 1.0, "s1": 1.0, "s2": 1.0})
     ring.run(20)
