@@ -253,3 +253,49 @@ def test_sim_expectation_prices_every_active_slot(ckpt):
     topo = loopback_topology(ckpt, 3)
     e = sim_expectation(K3Config.from_pretrained(ckpt), topo, "rtx5090")
     assert set(e) == {"s0", "s1", "s2"} and all(v > 0 for v in e.values())
+
+
+def test_the_dashboard_and_metrics_show_a_degraded_stage():
+    import threading
+    import types
+
+    from rich.console import Console
+
+    from p2pk3.cli.dashboard import render
+    from p2pk3.frontends.cluster_view import mark_degraded
+    from p2pk3.node.metrics import DaemonCollector
+
+    verdicts = {
+        "s1": {"slowdown": 3.6, "persistent_slowdown": 3.4, "degraded": True, "action": "no standby is available"},
+        "s2": {"slowdown": 1.0, "persistent_slowdown": None, "degraded": False, "action": ""},
+    }
+    rows = [
+        {"slot": s, "state": "up", "reason": "answering", "slowdown": None, "standby_slot": False, "node": s,
+         "layers": None, "sessions": 0, "queue": 0, "batches_per_s": None, "tokens_per_s": None, "compute_ms": None,
+         "busy": None, "hop_ms": None, "memory": None}
+        for s in ("s0", "s1", "s2")
+    ]
+    mark_degraded(rows, verdicts)
+    assert [r["state"] for r in rows] == ["up", "degraded", "up"] and rows[2]["slowdown"] == 1.0
+    assert rows[1]["reason"] == "degraded: 3.4x its expected time per token; no standby is available"
+    totals = {"standby": 0, "serving": 3, "active": 3, "tokens_per_s": None, "live_sessions": 0}
+    console = Console(width=160, record=True)
+    console.print(render({"cluster": "c", "entry": None, "slots": rows, "totals": totals}))
+    text = console.export_text()
+    assert "degraded" in text and "s1: degraded: 3.4x" in text
+
+    loop = asyncio.new_event_loop()
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    try:
+        d = types.SimpleNamespace(
+            worker=None, monitor=None, entry=None, stats={"errors": 0},
+            public_stats=lambda: {"slot": "s0", "role": "entry", "degraded": verdicts},
+        )
+        fams = {f.name: f for f in DaemonCollector(d, loop, None).collect()}
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(5)
+    slow = {s.labels["peer"]: s.value for s in fams["p2pk3_stage_slowdown"].samples}
+    deg = {s.labels["peer"]: s.value for s in fams["p2pk3_stage_degraded"].samples}
+    assert slow == {"s1": 3.6, "s2": 1.0} and deg == {"s1": 1, "s2": 0}

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from typing import Awaitable, Callable
 
 from p2pk3.topology import Topology
@@ -172,8 +173,9 @@ class Coordinator:
             if not self.down and self.degraded is not None and not entry.paused:
                 slot = await self.degraded.check(self._live_standbys())
                 if slot is not None:  # its holder stepped down: a standby takes it over, sessions replay
-                    self.down[slot] = self.monitor.state(slot)
-                    self.events.append(self.degraded.events[-1])
+                    ev = self.degraded.events[-1]
+                    self.down[slot] = replace(self.monitor.state(slot), reason=f"degraded, {ev['slowdown']}x slower")
+                    self.events.append(ev)
             if not self.down:
                 if self.unavailable or entry.paused:
                     await self._recovered("the ring is whole again")
