@@ -101,6 +101,26 @@ def test_slower_than_the_factor_only_now_and_then_is_not_persistent():
         ring.run(6)
 
 
+def test_one_noisy_window_neither_starts_nor_ends_a_verdict():
+    det = DegradedDetector(3.0, 8.0, window_s=1.0)  # a window of two samples: each step is a figure
+    ring = Ring(det, {"s0": 1.0, "s1": 1.0, "s2": 1.0})
+    ring.run(20)
+    ring.ms["s1"] = 6.0
+    ring.run(3)
+    assert det.stages["s1"].figure.slow_since is not None
+    for _ in range(3):  # slow, with a window at its usual speed every 3 s
+        ring.ms["s1"] = 1.0
+        ring.run(1)
+        ring.ms["s1"] = 6.0
+        figs = ring.run(2)
+    assert figs["s1"].slow_since is not None
+    figs = ring.run(2)
+    assert figs["s1"].degraded and figs["s1"].persistent == pytest.approx(6.0, rel=0.1)
+    ring.ms["s1"] = 1.0  # back to its speed: over once most windows are
+    figs = ring.run(8)
+    assert not figs["s1"].degraded and figs["s1"].slow_since is None
+
+
 def test_a_new_holder_starts_afresh():
     ring = Ring(DegradedDetector(3.0, 4.0), {"s0": 1.0, "s1": 1.0, "s2": 1.0})
     ring.run(20)

@@ -7,6 +7,7 @@ with pytest -s (docs/benchmarks.md). Partitions (network namespaces) are in test
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import signal
 import threading
@@ -173,8 +174,10 @@ def test_a_flapping_node_causes_at_most_one_takeover_and_no_token_lost_or_repeat
 
         load, cycles, st = asyncio.run(go())
         takeovers = [e for e in st["events"] if e["event"] == "takeover"]
+        kinds = collections.Counter(e["event"] for e in st["events"])
         print(
-            f"\n[gray] s1 stopped/resumed every 3 s for 60 s ({cycles} cycles): {len(takeovers)} takeover(s), "
+            f"\n[gray] s1 stopped/resumed every 3 s for 60 s ({cycles} cycles): {len(takeovers)} takeover(s) "
+            f"(entry events: {dict(kinds)}), "
             f"{load.done} sessions, {load.wrong} with other tokens, {len(load.failed)} failed"
         )
         assert len(takeovers) <= 1, st["events"]

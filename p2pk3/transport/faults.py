@@ -4,7 +4,7 @@ connection's one send path (`Connection._send_frame` in p2pk3.transport.connecti
 about every frame it encodes, so a faulty connection runs exactly the production code around the fault:
 the same encoding, the same writev / transport hand-off, the same close and error paths.
 
-`PROCESS` is the Faults of every connection made without its own: `cut_off_on_signals()` (a node started
+`PROCESS` applies to every connection whose own Faults are off: `cut_off_on_signals()` (a node started
 with the hidden `--fault-signals`, tools/chaos.py) makes SIGUSR1 black-hole every frame the process sends
 on any connection, old or new, and SIGUSR2 end that: the node cannot answer nor send (a partition of that
 node on loopback, where network namespaces are not at hand), while it still hears what reaches it."""
@@ -75,7 +75,7 @@ class Faults:
         return [bytes(data)]
 
 
-PROCESS = Faults()  # the faults of every connection made without its own (off unless set)
+PROCESS = Faults()  # applies to every connection whose own faults are off (off unless set)
 
 
 def cut_off_on_signals() -> None:
