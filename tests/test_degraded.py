@@ -262,7 +262,8 @@ def test_a_holder_that_refuses_keeps_its_slot_and_the_entry_slot_is_never_handed
     assert _drive(e, w, {"s0": 1.0, "s1": 1.0, "s2": 6.0}, 20, ["s3"]) == []
     rep = w.report()
     assert not rep["s0"]["degraded"]
-    assert rep["s2"]["degraded"] and "did not step down" in rep["s2"]["action"] and e.sent
+    assert rep["s2"]["degraded"] and "did not step down" in rep["s2"]["action"]
+    assert 1 <= len(e.sent) <= 2  # asked again only every RETRY_S (10 s), not every heartbeat
 
 
 def test_sim_expectation_prices_every_active_slot(ckpt):

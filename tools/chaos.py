@@ -65,7 +65,7 @@ class Run:
             "ignore_eos": True,
             "stream": True,
         }
-        text, last = [], time.perf_counter()
+        text, last = [], None
         async with s.post(self.url + "/completions", json=body) as r:
             if r.status != 200:
                 raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:300]}")
@@ -76,17 +76,17 @@ class Run:
                 if "error" in d:
                     raise RuntimeError(f"stream error: {d['error']}")
                 now = time.perf_counter()
-                if gaps is not None:
+                if gaps is not None and last is not None:  # between tokens (the first one's wait is TTFT)
                     gaps.append((time.time(), now - last))
                 last = now
                 text.extend(c.get("text", "") for c in d.get("choices", []))
         return "".join(text)
 
-    async def worker(self, s, w: int, end: float) -> None:
+    async def worker(self, s, w: int, end: float, gaps: list) -> None:
         i = w
         while time.time() < end:
             try:
-                got = await self.one(s, i, self.gaps)
+                got = await self.one(s, i, gaps)
                 self.done += 1
                 self.wrong += got != self.want[i]
             except Exception as e:  # noqa: BLE001 - every failure is counted and shown
@@ -119,6 +119,16 @@ class Run:
                 return True
             await asyncio.sleep(0.5)
         return False
+
+    async def noticed(self, t: float, timeout: float = 10.0) -> None:
+        """Until the entry logged something about the fault begun at `t` (a slot down, degraded, taken
+        over), or `timeout` passed (a fault it rode out)."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            st = await self.entry_status() or {}
+            if any(e.get("t", 0) >= t for e in st.get("events", [])):
+                return
+            await asyncio.sleep(0.25)
 
     def refill(self) -> None:
         """A spare on every standby slot whose process is gone."""
@@ -161,6 +171,7 @@ class Run:
         finally:
             if p.poll() is None:
                 p.send_signal(signal.SIGCONT)
+        await self.noticed(t)
         ok = await self.serving()
         st = await self.entry_status() or {}
         took = [e for e in st.get("events", []) if e.get("event") in ("takeover", "degraded") and e["t"] >= t]
@@ -178,14 +189,22 @@ class Run:
         conn = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as s:
             base_gaps: list = []
-            texts = await asyncio.gather(*(self.one(s, i, base_gaps) for i in range(a.sessions)))
+            texts = await asyncio.gather(*(self.one(s, i, None) for i in range(a.sessions)))
             self.want = dict(enumerate(texts))
-            await asyncio.gather(*(self.one(s, i, base_gaps) for i in range(a.sessions)))  # steady state
-            base_p99 = pct([g for _, g in base_gaps[len(base_gaps) // 2 :]], 0.99)
-            self.say(f"undisturbed: {a.sessions} sessions, p99 inter-token {1000 * base_p99:.0f} ms")
+            t1 = time.time() + a.base_s  # the same load as below, without faults: the baseline
+            await asyncio.gather(*(self.worker(s, w, t1, base_gaps) for w in range(a.sessions)))
+            base_p99 = pct([g for _, g in base_gaps], 0.99)
+            self.say(
+                f"undisturbed {a.base_s:.0f} s: {self.done} requests, {len(base_gaps)} gaps, "
+                f"p99 inter-token {1000 * base_p99:.0f} ms"
+            )
+            base_bad = bool(self.wrong or self.failed)
+            if base_bad:
+                self.say("the undisturbed run itself differed from the reference or failed")
+            self.done = self.wrong = 0
             self.t0 = time.time()
             end = self.t0 + 60 * a.minutes
-            workers = [asyncio.create_task(self.worker(s, w, end)) for w in range(a.sessions)]
+            workers = [asyncio.create_task(self.worker(s, w, end, self.gaps)) for w in range(a.sessions)]
             rng, k = random.Random(a.seed), 0
             await asyncio.sleep(a.quiet_s)
             while time.time() < end - a.quiet_s:
@@ -205,7 +224,7 @@ class Run:
             f"p99 inter-token outside the fault windows: {1000 * p99:.0f} ms vs {1000 * base_p99:.0f} ms "
             f"undisturbed ({ratio:.2f}x; {len(calm)} of {len(self.gaps)} gaps outside the windows)"
         )
-        bad = self.wrong or self.failed or ratio > a.max_p99_ratio
+        bad = base_bad or self.wrong or self.failed or ratio > a.max_p99_ratio
         return 1 if bad else 0
 
 
@@ -220,6 +239,7 @@ def main() -> int:
     ap.add_argument("--nodes", type=int, default=3)
     ap.add_argument("--spares", type=int, default=3)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--base-s", type=float, default=40.0, help="seconds of the undisturbed baseline")
     ap.add_argument("--quiet-s", type=float, default=25.0, help="seconds between two faults (on average)")
     ap.add_argument("--settle-s", type=float, default=5.0, help="a fault's window lasts this long after recovery")
     ap.add_argument("--stop-s", type=float, default=8.0)

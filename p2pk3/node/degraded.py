@@ -9,9 +9,9 @@ stage with the others over the same window rather than with a fixed number:
 
     ratio     = X's compute time in the last `window_s` over what the others take for the same work:
                 the batches X ran, by width, priced at the fastest other stage's recent pass times at
-                those widths (a stage that falls behind merges queued units into wider
-                batches, which its time per token alone would flatter); without widths, X's ms per
-                token over the others' median
+                those widths (a stage that falls behind merges queued units into wider batches, which
+                its time per token alone would flatter); without widths, X's ms per token over the
+                others' median
     expected  = the simulator's predicted ratio for X's slot (`expected`: ms per token by slot, from
                 `sim_expectation`), else X's own usual ratio (the median of its healthy windows)
     slowdown  = ratio / expected
@@ -20,8 +20,9 @@ With one stage alone (no others have a figure) the slowdown is its ms per token 
 A stage whose slowdown stays above `factor` for `after_s` seconds is degraded: from its first window
 above, at least PERSISTENT (3/4) of the evaluations must be above too, else the count starts again (one
 noisy window neither starts a verdict nor ends one). `DegradedWatch` acts on the verdict at the entry: a
-degraded stage is handed over to a live standby through the failover's takeover and replay paths (the holder is asked to
-step down with a `handover` frame first, node/daemon.py), at most once per slot per `cooldown_s`
+degraded stage is handed over to a live standby through the failover's takeover and replay paths (the
+holder is asked to step down with a `handover` frame first, node/daemon.py), at most once per slot per
+`cooldown_s`
 (hysteresis: a slot does not ping-pong), and without a standby it keeps serving and says so. The entry's
 own slot is marked but never handed over by itself (it holds the sessions; a standby takes it over only
 when it dies). docs/architecture.md, "Failure handling"."""
@@ -35,10 +36,9 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
+from p2pk3.spec.draft_len import PassCost
 from p2pk3.transport.codec import Frame, ProtocolError
 from p2pk3.transport.messages import handover_frame, parse_error
-
-from p2pk3.spec.draft_len import PassCost
 
 from .links import DIAL_ERRORS
 
@@ -48,6 +48,7 @@ MIN_TOKENS = 8  # a window with fewer tokens through a stage says nothing about 
 HEALTHY = 1.5  # windows below this slowdown teach a stage's usual ratio
 PERSISTENT = 0.75  # slow: above the factor in this share of the evaluations since it first was
 USUAL_WINDOWS = 3  # usual ratio known after this many healthy windows (judging starts then)
+RETRY_S = 10.0  # a holder that did not step down is asked again after this long
 
 
 @dataclass
@@ -57,7 +58,7 @@ class StageFigure:
     slot: str
     node: str | None
     ms_per_token: float | None = None  # this window's compute ms per token
-    expected_ratio: float | None = None  # its expected ms per token over the others' median
+    expected_ratio: float | None = None  # its expected time over the others' (simulator or its usual share)
     slowdown: float | None = None
     slow_since: float | None = None  # monotonic time the slowdown went above the factor
     persistent: float | None = None  # the median slowdown since then (the figure a verdict names)
@@ -313,6 +314,7 @@ class DegradedWatch:
         self.address, self.request = address, request
         self.cooldown_s = cooldown_s
         self.handed_over: dict[str, float] = {}  # slot -> monotonic time of its last degraded handover
+        self.refused: dict[str, float] = {}  # slot -> when its holder last failed to step down (asked again later)
         self.events: list[dict] = []
 
     def sample(self) -> dict[str, StageFigure]:
@@ -345,6 +347,9 @@ class DegradedWatch:
             if not standbys:
                 self._say(f, "no standby is available: it keeps serving (start a spare: `p2pk3 node --standby`)")
                 continue
+            tried = self.refused.get(slot)
+            if tried is not None and now - tried < RETRY_S:
+                continue
             holder = self.holder_of(slot, self.state(slot))
             if holder is None:
                 self._say(f, "its holder is not known yet")
@@ -360,6 +365,7 @@ class DegradedWatch:
                     raise ProtocolError(f"answered a handover with {reply.kind!r}")
             except (*DIAL_ERRORS, ProtocolError) as e:
                 self._say(f, f"its holder did not step down: {e}")
+                self.refused[slot] = now
                 continue
             self.handed_over[slot] = now
             f.action = "handed over"
