@@ -7,10 +7,12 @@ spare is started on every standby slot whose process is gone (the pool stays ful
 
     python tools/chaos.py --minutes 10 [--sessions 64] [--nodes 3] [--spares 3] [--model DIR]
 
-First an undisturbed pass (every prompt once, greedy): its texts are the reference, its inter-token gaps
-the baseline. Then the chaos: every reply must equal the reference (a lost or repeated token changes it),
-every request must succeed, and the p99 inter-token gap outside the fault windows (a fault's start until
-the ring served again, plus `--settle-s`) is compared with the undisturbed p99. Prints the figures and
+First an undisturbed pass (every prompt once, greedy): its texts are the reference; then `--base-s` of
+the same load as the chaos without faults: its inter-token gaps are the baseline. Then the chaos: every
+reply must equal the reference (a lost or repeated token changes it), every request must succeed, and
+the p99 inter-token gap outside the fault windows (a fault's start until the ring serves again and the
+replay is done: no session prefilling, plus `--settle-s`; a gap that overlaps a window is in it) is
+compared with the undisturbed p99. Prints the figures and
 exits 1 when a token was lost, a request failed, or the p99 ratio is above `--max-p99-ratio` (1.5).
 """
 
@@ -120,6 +122,16 @@ class Run:
             await asyncio.sleep(0.5)
         return False
 
+    async def caught_up(self, timeout: float = 240.0) -> bool:
+        """Until no session is prefilling (the replay after a repair re-prefills every live session)."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            st = await self.entry_status() or {}
+            if not (st.get("schedule") or {}).get("prefilling", 1) and not st.get("paused"):
+                return True
+            await asyncio.sleep(0.5)
+        return False
+
     async def noticed(self, t: float, timeout: float = 10.0) -> None:
         """Until the entry logged something about the fault begun at `t` (a slot down, degraded, taken
         over), or `timeout` passed (a fault it rode out)."""
@@ -172,7 +184,7 @@ class Run:
             if p.poll() is None:
                 p.send_signal(signal.SIGCONT)
         await self.noticed(t)
-        ok = await self.serving()
+        ok = await self.serving() and await self.caught_up()
         st = await self.entry_status() or {}
         took = [e for e in st.get("events", []) if e.get("event") in ("takeover", "degraded") and e["t"] >= t]
         self.say(
@@ -212,7 +224,8 @@ class Run:
                 k += 1
                 await asyncio.sleep(rng.uniform(0.5, 1.5) * a.quiet_s)
             await asyncio.wait_for(asyncio.gather(*workers), 600)
-        calm = [g for t, g in self.gaps if not any(w0 <= t <= w1 for w0, w1 in self.windows)]
+        # a gap is outside the windows when it neither ends nor began in one (nor spans one)
+        calm = [g for t, g in self.gaps if not any(t - g <= w1 and t >= w0 for w0, w1 in self.windows)]
         p99 = pct(calm, 0.99)
         ratio = p99 / base_p99
         print(
