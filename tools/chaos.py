@@ -105,12 +105,14 @@ class Run:
         return None
 
     async def victim(self):
-        """(slot, process) of a random stage that is not the entry."""
+        """(slot, process) of a random stage that is not the entry, one that came from the spare pool where
+        there is one: when it goes, its standby slot takes a fresh spare, so the pool stays full."""
         doc = await self.ring.state()
         stages = [n for n in doc["nodes"] if n["role"] == "stage"]
         if not stages:
             return None, None
-        n = random.choice(stages)
+        spares = [n for n in stages if self.ring.topo.slot(n["started_on"]).standby]
+        n = random.choice(spares or stages)
         return n["slot"], self.ring.procs[n["started_on"]]
 
     async def serving(self, timeout: float = 120.0) -> bool:
@@ -222,7 +224,7 @@ class Run:
             workers = [asyncio.create_task(self.worker(s, w, end, self.gaps)) for w in range(a.sessions)]
             rng, k = random.Random(a.seed), 0
             await asyncio.sleep(a.quiet_s)
-            while time.time() < end - a.quiet_s:
+            while time.time() < end - a.quiet_s and (a.faults is None or k < a.faults):
                 await self.fault(FAULTS[k % len(FAULTS)])
                 k += 1
                 await asyncio.sleep(rng.uniform(0.5, 1.5) * a.quiet_s)
@@ -263,6 +265,7 @@ def main() -> int:
     ap.add_argument("--slow-duty", type=float, default=0.25, help="share of the time the slowed stage runs")
     ap.add_argument("--cut-s", type=float, default=10.0)
     ap.add_argument("--max-p99-ratio", type=float, default=1.5)
+    ap.add_argument("--faults", type=int, default=None, help="stop after this many faults (default: until the end)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--node-arg", action="append", default=[], help="extra `p2pk3 node` argument (repeatable)")
     a = ap.parse_args()
