@@ -53,6 +53,7 @@ DAEMON_KINDS = (
     "cancel",
     "route",
     "takeover",
+    "handover",
     "retain",
     "file_list",
     "file_get",
@@ -673,6 +674,9 @@ def parse_for_daemon(f: Frame, target: Target) -> str | None:
             return "route for a real slot"
     elif k == "takeover":
         M.parse_takeover(f)
+    elif k == "handover":
+        if M.parse_handover(f)[0] in target.slots:
+            return "handover for a real slot (its holder steps down)"
     elif k == "retain":
         M.parse_retain(f)
         return "retain (frees every session not listed)"
@@ -701,6 +705,7 @@ def run_all_parsers(f: Frame, vocab: int) -> None:
         ("cancel", M.parse_cancel),
         ("route", M.parse_route),
         ("takeover", M.parse_takeover),
+        ("handover", M.parse_handover),
         ("retain", M.parse_retain),
         ("claim", M.parse_claim),
         ("file_list", M.parse_file_list),

@@ -5,6 +5,8 @@
         lab.broadcast                    # "10.213.<k>.255"
         lab.run(0, ["ping", "-c1", lab.addr(1)])
         p = lab.popen(1, [sys.executable, "-c", "..."])
+        lab.split([0, 4])                # a partition: hosts 0 and 4 on a bridge of their own
+        lab.heal()                       # every host on the one bridge again
 
 Each namespace gets a veth pair whose other end is enslaved to a Linux bridge created in the test's own
 namespace. The bridge has no IP address and the namespaces have no default route, so every packet stays
@@ -66,6 +68,8 @@ class NetnsLab:
         self.k = subnet if subnet is not None else random.randint(1, 254)
         self.names = [f"p2k3t-{self.tag}-{i}" for i in range(n)]
         self.bridge = f"p2k3b{self.tag}"  # <= 15 characters
+        self.island = f"p2k3i{self.tag}"  # the second bridge of a partition (split / heal)
+        self.split_off: list[int] = []
         self._created_ns: list[str] = []
         self._bridge_created = False
 
@@ -113,11 +117,30 @@ class NetnsLab:
         self._created_ns.clear()
         if self._bridge_created:
             subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+            subprocess.run(["ip", "link", "del", self.island], capture_output=True)  # absent unless split
             self._bridge_created = False
 
     def set_link(self, i: int, up: bool) -> None:
         """Take host i's cable out (or put it back): its veth end on the bridge goes down / up."""
         _ip("link", "set", f"p2k3{self.tag}h{i}"[:15], "up" if up else "down")
+
+    def split(self, side: Sequence[int]) -> None:
+        """Partition the hosts: those of `side` go to a bridge of their own; they reach each other, and the
+        rest reach each other, but no packet crosses (the cables stay in: no link goes down)."""
+        if self.split_off:
+            raise RuntimeError("already split; heal() first")
+        _ip("link", "add", self.island, "type", "bridge")
+        _ip("link", "set", self.island, "up")
+        for i in side:
+            _ip("link", "set", f"p2k3{self.tag}h{i}"[:15], "master", self.island)
+        self.split_off = list(side)
+
+    def heal(self) -> None:
+        """End the partition: every host on the one bridge again."""
+        for i in self.split_off:
+            _ip("link", "set", f"p2k3{self.tag}h{i}"[:15], "master", self.bridge)
+        self.split_off = []
+        subprocess.run(["ip", "link", "del", self.island], capture_output=True)
 
     # ---------------------------------------------------------------- running things inside
     def ns(self, i: int) -> str:

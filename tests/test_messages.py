@@ -252,6 +252,11 @@ PARSED = {
 }
 
 
+def test_handover_round_trips():
+    f = _roundtrip(M.handover_frame("s2", 3, "3.4x its expected time per token"))
+    assert f.kind == "handover" and M.parse_handover(f) == ("s2", 3, "3.4x its expected time per token")
+
+
 def test_every_moved_kind_is_covered():
     assert set(NEW) == set(FIXTURE) and set(PARSED) | {"file_chunk"} == set(FIXTURE)
 
@@ -361,6 +366,8 @@ def test_file_chunk_parses_the_old_bytes():
             "file_chunk frame: needs exactly one tensor, 'data'",
         ),
         ("route", {"slot": "s1"}, M.parse_takeover, "expected a takeover frame, got 'route'"),
+        ("handover", {"slot": "s1", "epoch": -2}, M.parse_handover, "handover frame: epoch must be a non-negative"),
+        ("handover", {"slot": "s1", "epoch": 2, "reason": 7}, M.parse_handover, "handover frame: reason must be"),
     ],
 )
 def test_control_and_file_parsers_name_the_bad_field(kind, fields, parse, msg):

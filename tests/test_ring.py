@@ -371,3 +371,26 @@ def test_state_a_stage_holds_for_no_live_session_is_freed(ckpt):
 
     freed, tokens = run(go())
     assert freed and len(tokens) == 40
+
+
+def test_a_retain_spares_a_session_opened_since_it_was_listed():
+    """The entry lists its sessions, then broadcasts `retain` on other connections than the ring's: a
+    session begun meanwhile can reach a stage before that retain; it must survive it (a chaos run lost a
+    request to this: "unknown session ... on this stage"). Older sessions the retain does not list go."""
+    import types
+
+    import torch
+
+    from p2pk3.node import worker as W
+    from p2pk3.node.stage_runner import Work
+
+    freed = []
+    runner = types.SimpleNamespace(epochs={"old": 0, "young": 0})
+    runner.free = lambda sid, epoch=None: freed.append(sid) or runner.epochs.pop(sid)
+    w = W.StageWorker(runner, None, slot="s1", max_batch_tokens=64, emit=None, report=None, pass_free=None)
+    w.put(Work([Segment("young", 0, 0, 3)], tokens=torch.tensor([1, 2, 3])))
+    w._retain(W.Retain({}))  # listed before "young" began
+    assert freed == ["old"]
+    w.opened["young"] -= W.RETAIN_GRACE_S + 1  # the grace is over: the next retain frees it
+    w._retain(W.Retain({}))
+    assert freed == ["old", "young"]

@@ -14,6 +14,7 @@ from .common import run_async
 STATE_STYLE = {
     "up": "green",
     "loading": "yellow",
+    "degraded": "bold yellow",
     "standby": "cyan",
     "moved": "dim",
     "dead": "bold red",

@@ -104,7 +104,32 @@ def _stop_on_signals(stop):
     show_default=True,
     help="a peer that has not answered for this many seconds is dead (at least 2 heartbeats)",
 )
+@click.option(
+    "--degraded-factor",
+    type=click.FloatRange(min=1.0, min_open=True),
+    default=3.0,
+    show_default=True,
+    help="a stage this many times slower per token than expected is degraded (the entry hands it to a standby)",
+)
+@click.option(
+    "--degraded-after",
+    type=click.FloatRange(min=0.0),
+    default=10.0,
+    show_default=True,
+    help="seconds a stage must stay that slow before it is marked degraded",
+)
+@click.option(
+    "--sim-profile",
+    default=None,
+    help="hardware profile (p2pk3/sim/profiles) whose predicted stage times are the expected ones",
+)
 @click.option("--drop-beacons", is_flag=True, hidden=True, help="fault injection: received beacons are lost")
+@click.option(
+    "--fault-signals",
+    is_flag=True,
+    hidden=True,
+    help="fault injection (tools/chaos.py): SIGUSR1 black-holes every frame this node sends, SIGUSR2 ends it",
+)
 @click.option(
     "--micro-batches",
     type=SCHEDULE,
@@ -149,7 +174,11 @@ def node(
     advertise_host,
     heartbeat,
     dead_after,
+    degraded_factor,
+    degraded_after,
+    sim_profile,
     drop_beacons,
+    fault_signals,
     verbose,
     metrics_port,
     compile_decode,
@@ -210,6 +239,9 @@ def node(
         heartbeat_s=heartbeat,
         dead_after_s=dead_after,
         drop_beacons=drop_beacons,
+        degraded_factor=degraded_factor,
+        degraded_after_s=degraded_after,
+        sim_profile=sim_profile,
         compile=compile_decode,
         micro_batches=micro_batches,
         prefill_depth=prefill_depth,
@@ -222,6 +254,10 @@ def node(
     async def run_daemon():
         d = NodeDaemon(topo, slot, model_dir=mdir, secret=secret, options=opts)
         _stop_on_signals(lambda: asyncio.ensure_future(d.stop("signal")))
+        if fault_signals:
+            from p2pk3.transport.faults import cut_off_on_signals
+
+            cut_off_on_signals()
         try:
             await d.start()
         except ClaimRefused as e:

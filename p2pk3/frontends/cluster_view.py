@@ -5,7 +5,8 @@ order (standbys last) and cluster totals.
     snap = await view.poll()          # rates (batches/s, tokens/s) from the delta to the previous poll
     snap["slots"][0]["state"], snap["totals"]["tokens_per_s"]
 
-A row's `state`: `up` (entry or stage serving), `loading`, `standby` (a spare holding nothing), `moved`
+A row's `state`: `up` (entry or stage serving), `degraded` (serving, but the entry found it persistently
+slower than its expected time per token: node/degraded.py; `slowdown` is the factor), `loading`, `standby` (a spare holding nothing), `moved`
 (a standby slot whose node serves another slot now), `dead` (connection refused, or the entry's failure
 detector lists the slot as down), `unreachable` (no answer within the probe timeout: hung, stopped or cut
 off). Slots that moved by takeover are found where their new holder answers: every node reports the slot
@@ -130,7 +131,8 @@ class ClusterView:
                 row.update(node=sp.get("node"), address=_fmt(a))
             rows.append(row)
         self._prev = prev
-        up = [r for r in rows if r["state"] == "up"]
+        mark_degraded(rows, entry.get("degraded") if entry else None)
+        up = [r for r in rows if r["state"] in ("up", "degraded")]
         tps = [r["tokens_per_s"] for r in up if r["tokens_per_s"] is not None]
         spares = sum(r["state"] == "standby" for r in rows)
         # `up`: healthy nodes (serving or a standby ready to take over); `serving` of `active` ring slots
@@ -182,6 +184,7 @@ class ClusterView:
             "prefix_bytes": None,  # {"device": ..., "host": ...} its prefix cache holds
             "errors": None,
             "uptime_s": None,
+            "slowdown": None,
             "reason": "no address known",
         }
         if p is None:
@@ -232,3 +235,14 @@ class ClusterView:
                 row["batches_per_s"] = round((b - last[1]) / dt, 2)
                 row["tokens_per_s"] = round((t - last[2]) / dt, 2)
         return row
+
+
+def mark_degraded(rows: list[dict], verdicts: dict | None) -> None:
+    """Put the entry's verdicts on slow stages (its status' `degraded` table, node/degraded.py) on the
+    rows of the slots it serves: their `slowdown`, and state `degraded` with the reason and what was done."""
+    for r in rows:
+        d = (verdicts or {}).get(r["slot"])
+        if d and r["state"] == "up":
+            r["slowdown"] = d.get("persistent_slowdown") or d.get("slowdown")
+            if d.get("degraded"):
+                r.update(state="degraded", reason=f"degraded: {r['slowdown']}x its expected time per token; {d.get('action')}")

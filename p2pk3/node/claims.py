@@ -354,6 +354,8 @@ async def negotiate_claim(
     peers = [p for p in peers if p != table.node_id]
     if replaces is not None:
         table.mark_dead(slot, *replaces)
+        # its epoch bounds ours even where no reachable peer knows it (the slot's epochs only grow)
+        table.learn(slot, ClaimHolder(replaces[0], replaces[1], None, False))
     for attempt in range(retries + 1):
         epoch = table.begin(slot)
         if table.mine is not None and table.mine.slot == slot:

@@ -7,11 +7,12 @@ Ring: slot 0 (embedding + entry) -> ... -> last slot (head: final norm, lm_head,
 The parts: stage_runner (torch), worker (batching), links (successor / entry connections), monitor
 (heartbeats), failover (what a dead slot means), entry + serving (sessions and clients), claims and
 discovery (who holds which slot), routes (where each slot is served now), takeover (the files a spare
-lacks), spares (the pool of standbys beyond the topology's), admission (the entry's queue). Frame kinds
-are dispatched by the table in `_handlers` (docs/protocol.md lists them all; every frame is built and
-parsed in transport/messages).
+lacks), spares (the pool of standbys beyond the topology's), admission (the entry's queue), degraded (slow
+stages, handed over), replaced (telling a replaced holder that its slot moved). Frame kinds are dispatched
+by the table in `_handlers` (docs/protocol.md lists them all; every frame is built and parsed in
+transport/messages).
 
-Near 700 lines, one module because it is the one place that wires those parts together: the
+Over 700 lines, one module because it is the one place that wires those parts together: the
 lifecycle (start, take over, stop), the handler table and the outbound paths share the daemon's state;
 each part gets from it only what it needs (e.g. the failover Coordinator gets callbacks, not the daemon).
 """
@@ -41,10 +42,12 @@ from p2pk3.transport.messages import (
     Route,
     error_frame,
     free_frame,
+    handover_frame,
     parse_claim,
     parse_free,
     parse_free_keep,
     parse_prefix_report,
+    parse_handover,
     parse_result,
     parse_retain,
     parse_route,
@@ -59,7 +62,8 @@ from p2pk3.transport.server import serve
 
 from .admission import Admission
 from .claiming import claim_slot
-from .claims import ClaimTable, handle_claim
+from .claims import Claim, ClaimTable, handle_claim
+from .degraded import entry_watch
 from .discovery import Discovery
 from .entry import Entry
 from .failover import Coordinator, entry_lost, request
@@ -68,6 +72,7 @@ from .metrics import memory_usage
 from .monitor import Monitor
 from .options import NodeOptions
 from .prefix_setup import deliver, make_caches, make_matcher, prefix_status, reports
+from .replaced import tell_replaced
 from .routes import RouteTable
 from .serving import ClientRequests, ClientService
 from .spares import POOL_SLOT, SparePool, handle_join, join_pool, with_pool_slot
@@ -108,7 +113,7 @@ class NodeDaemon:
         self.host = o.host
         self.port = o.port if o.port is not None else (self.slot.port or 0)
         self.node_id = o.node_id or f"{'spare' if self.pool else slot}@{os.uname().nodename}:{os.getpid()}"
-        self.claims = ClaimTable(self.node_id)
+        self.claims = ClaimTable(self.node_id, on_lost=self._lost_claim)
         self.claim = None
         self.role = "starting"
         self.entry: Entry | None = None
@@ -147,6 +152,7 @@ class NodeDaemon:
         self._taking: asyncio.Task | None = None
         self._joining: asyncio.Task | None = None  # a pool spare's join loop
         self._file_server = None  # deploy.peers.FileServer, made on the first file request
+        self._tasks: set[asyncio.Task] = set()  # background tasks (telling a replaced holder its slot moved)
         self._handlers = {
             "forward": self._on_forward,
             "result": self._on_result,
@@ -158,6 +164,7 @@ class NodeDaemon:
             "cancel": self._on_cancel,
             "route": self._on_route_frame,
             "takeover": self._on_takeover,
+            "handover": self._on_handover,
             "retain": self._on_retain,
             "prefix_report": self._on_prefix_report,
             "file_list": self._on_file_list,
@@ -259,8 +266,9 @@ class NodeDaemon:
                 mark_dead=self.claims.mark_dead,
                 broadcast=self.broadcast,
                 retain=self.retain,
-                request=lambda addr, frame, timeout: request(addr, self.secret, self.node_id, frame, timeout),
+                request=self._request,
                 spares=self.spares,
+                degraded=entry_watch(self, slot_id),
             )
             self.clients = ClientService(
                 self.entry,
@@ -330,6 +338,9 @@ class NodeDaemon:
             return ps.info["node"], ps.info["epoch"]
         return None
 
+    def _request(self, addr: tuple[str, int], frame: Frame, timeout: float) -> Frame:
+        return request(addr, self.secret, self.node_id, frame, timeout)
+
     def _maybe_take_entry(self) -> None:
         if self.role != "standby" or self.monitor is None or self._taking is not None:
             return
@@ -368,6 +379,8 @@ class NodeDaemon:
                 part.stop()
         if self._joining is not None:
             self._joining.cancel()
+        for t in list(self._tasks):
+            t.cancel()
         if self.discovery is not None:
             await self.discovery.stop()
         if self.server is not None:
@@ -429,7 +442,12 @@ class NodeDaemon:
             raise
         self.slot_id = slot_id
         route = Route(slot_id, self.node_id, self.advertised_host, self.port, self.claim.epoch)
+        was = self.routes.address_or_none(slot_id)  # the replaced holder's, before the route moves it
         self.routes.announce(route)
+        if replaces is not None and was is not None and was != route.address:  # it may come back (partition)
+            t = asyncio.ensure_future(tell_replaced(was, replaces[0], route, self.secret, self.node_id))
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
         self._start_serving()
         log.warning("took over slot %s at epoch %d: %s", slot_id, self.claim.epoch, self.plan.describe())
         return route
@@ -577,20 +595,22 @@ class NodeDaemon:
         if not any(s.id == r.slot for s in self.topo.slots):  # the route table must not grow without bound
             raise ProtocolError(f"route for slot {r.slot[:64]!r}, which is not in the topology")
         if r.slot == self.slot_id and r.node != self.node_id and self.claim and r.epoch > self.claim.epoch:
-            log.error(
-                "slot %s was taken over by %s at epoch %d (ours: %d): this node steps down",
-                r.slot,
-                r.node,
-                r.epoch,
-                self.claim.epoch,
-            )
-            asyncio.get_running_loop().call_later(
-                0,
-                lambda: asyncio.ensure_future(
-                    self.stop(f"slot {r.slot} was taken over by node {r.node} (epoch {r.epoch})")
-                ),
-            )
+            self._step_down(f"slot {r.slot} was taken over by node {r.node} (epoch {r.epoch}, ours {self.claim.epoch})")
         self.routes.announce(r)
+
+    def _step_down(self, why: str) -> None:
+        """This node no longer holds its slot: it stops serving (`p2pk3 node` exits; start it again as a
+        standby to give the ring its spare back)."""
+        if self.stop_reason is None:
+            log.error("%s: this node steps down", why)
+            self.stop_reason = why
+            asyncio.get_running_loop().call_later(0, lambda: asyncio.ensure_future(self.stop(why)))
+
+    def _lost_claim(self, lost: Claim, by: Claim) -> None:
+        """The claim table heard a claim that beats ours (a heartbeat, a beacon or a claim message from the
+        node that took our slot while we could not hear: a partition, a stop)."""
+        if self.role in ("entry", "stage") and lost.slot == self.slot_id:
+            self._step_down(f"slot {lost.slot} was taken by {by.describe()} (ours: epoch {lost.epoch})")
 
     def file_server(self):
         """What this node serves to peers: the files of its manifest (deploy/peers.py), made on first use."""
@@ -618,6 +638,18 @@ class NodeDaemon:
             await conn.send(error_frame(ErrorCode.FAILED, f"takeover of slot {slot} failed: {e}"))
             return
         await conn.send(route_frame(route))
+
+    async def _on_handover(self, conn, f, reqs) -> None:
+        """The entry found this stage degraded (node/degraded.py): step down so a standby takes the slot."""
+        slot, epoch, reason = parse_handover(f)
+        mine = self.claim.epoch if self.claim else None
+        if self.role != "stage" or slot != self.slot_id or epoch != mine:
+            why = f"handover of slot {slot} at epoch {epoch} refused: this node holds {self.slot_id} at epoch {mine}"
+            await conn.send(error_frame(ErrorCode.FAILED, f"{why} ({self.role})"))
+            return
+        await conn.send(handover_frame(slot, epoch, reason))
+        self.claims.release()  # the standby's claim is granted here too
+        self._step_down(f"slot {slot} (epoch {epoch}) handed over for being slow: {reason}")
 
     # ------------------------------------------------------------------ outbound
     async def _emit(self, segs, out: HopOut | HeadOut) -> None:
@@ -719,4 +751,6 @@ class NodeDaemon:
             st["down"] = sorted(self.coordinator.down)
             st["events"] = self.coordinator.events[-20:]
             st["spares"] = self.spares.rows(self.monitor.state if self.monitor else lambda k: None)
+            if self.coordinator.degraded is not None:  # slow stages (node/degraded.py)
+                st["degraded"] = self.coordinator.degraded.report()
         return st

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from typing import Awaitable, Callable
 
 from p2pk3.topology import Topology
@@ -75,6 +76,7 @@ class Coordinator:
         retain: Callable[[dict[str, int]], None],
         request: Request,
         spares: SparePool | None = None,
+        degraded=None,
     ):
         self.entry, self.slot_id, self.topo, self.opts, self.routes = entry, slot_id, topo, opts, routes
         self.spares = spares
@@ -86,6 +88,7 @@ class Coordinator:
             request,
         )
         self.monitor: Monitor | None = None
+        self.degraded = degraded  # node/degraded.py DegradedWatch: a slow stage is repaired like a dead one
         self.down: dict[str, PeerState] = {}  # active slots that are down, by slot id
         self.unavailable: str | None = None  # why requests are refused (no standby for a down slot)
         self._wake = asyncio.Event()
@@ -176,6 +179,12 @@ class Coordinator:
             entry.expire(self.opts.unit_timeout_s)
             await self._retain_now_and_then(entry)
             self._scan()
+            if not self.down and self.degraded is not None and not entry.paused:
+                slot = await self.degraded.check(self._live_standbys())
+                if slot is not None:  # its holder stepped down: a standby takes it over, sessions replay
+                    ev = self.degraded.events[-1]
+                    self.down[slot] = replace(self.monitor.state(slot), reason=f"degraded, {ev['slowdown']}x slower")
+                    self.events.append(ev)
             if not self.down:
                 if self.unavailable or entry.paused:
                     await self._recovered("the ring is whole again")

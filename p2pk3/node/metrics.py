@@ -161,6 +161,22 @@ class DaemonCollector:
         if spares is not None:  # the entry's spare pool (node/spares.py)
             yield gauge("p2pk3_spares", "standbys ready to take a slot over", sum(1 for x in spares if x["ready"]))
         yield from _prefix_metrics(st, counter, gauge, lab, lv)
+        if st.get("degraded"):  # the entry's verdicts on slow stages (node/degraded.py)
+            slow = GaugeMetricFamily(
+                "p2pk3_stage_slowdown",
+                "a stage's time per token over its expected time (1: as expected; the entry judges)",
+                labels=[*lab, "peer"],
+            )
+            deg = GaugeMetricFamily(
+                "p2pk3_stage_degraded", "1 while the entry finds a stage degraded (slower than --degraded-factor)",
+                labels=[*lab, "peer"],
+            )
+            for peer, d in sorted(st["degraded"].items()):
+                if d.get("slowdown") is not None:
+                    slow.add_metric([*lv, peer], d["slowdown"])
+                deg.add_metric([*lv, peer], int(bool(d.get("degraded"))))
+            yield slow
+            yield deg
         if snap["peers"]:
             hop = GaugeMetricFamily(
                 "p2pk3_hop_latency_seconds", "heartbeat round trip to a peer slot", labels=[*lab, "peer"]

@@ -48,6 +48,12 @@ class NodeOptions:
     unit_timeout_s: float = 120.0  # a request unit with no answer from the ring for this long fails
     startup_grace_s: float = 15.0  # a slot never seen up is taken over only after this long
     retain_every_s: float = 30.0  # the entry tells the stages which sessions are alive (frees leftovers)
+    # degraded stages (node/degraded.py): slower than `degraded_factor` x the expected time per token for
+    # `degraded_after_s` -> handed over to a standby, at most once per slot per `handover_cooldown_s`
+    degraded_factor: float = 3.0
+    degraded_after_s: float = 10.0
+    handover_cooldown_s: float = 120.0
+    sim_profile: str | None = None  # hardware profile (p2pk3/sim/profiles): the simulator's expected times
     # fault injection (tests; the hooks sit in the production receive paths)
     drop_beacons: bool = False
 

@@ -44,3 +44,9 @@ class RouteTable:
         if a is None or not a[0] or not a[1]:
             raise NoRoute(f"no address known for slot {slot} (not announced, not discovered, none in the topology)")
         return a
+
+    def address_or_none(self, slot: str) -> tuple[str, int] | None:
+        try:
+            return self.address(slot)
+        except ConnectionError:
+            return None

@@ -39,6 +39,8 @@ log = logging.getLogger("p2pk3.node")
 RECOVERABLE = (CacheFull, SessionError, ExpertNotHeld)
 BUSY_WINDOW_S = 5.0
 OUTBOX = 4  # outputs waiting to be sent before the worker waits for the sender (backpressure)
+RETAIN_GRACE_S = 5.0  # a `retain` frees no session opened this recently (it may have overtaken the retain:
+# the broadcast that carries it takes up to 2 s to connect and 2 s to send)
 
 
 @dataclass
@@ -139,6 +141,7 @@ class StageWorker:
         self.busy = BusyMeter()
         self.cost = PassCost()  # compute ms by batch width (cost_width): the entry cuts prefill units by it
         self._prefill_owed = False
+        self.opened: dict[str, float] = {}  # session -> when its position 0 was queued here (the retain's grace)
         self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
@@ -152,6 +155,11 @@ class StageWorker:
             t.cancel()
 
     def put(self, item: Work | Free | Retain) -> None:
+        if isinstance(item, Work):
+            now = time.monotonic()
+            for s in item.segments:
+                if s.start_pos == 0:
+                    self.opened[str(s.session)] = now
         self.items.append(item)
         self._wake.set()
 
@@ -229,8 +237,13 @@ class StageWorker:
         return [queued[i] for i in taken]
 
     def _retain(self, r: Retain) -> None:
+        """Free every session `r` does not list, except those opened in the last RETAIN_GRACE_S: the entry
+        listed its sessions before it sent the retain (another connection than the ring's), so a session
+        begun meanwhile can reach this stage first; a young leftover goes at the next retain."""
+        now = time.monotonic()
+        self.opened = {sid: t for sid, t in self.opened.items() if now - t < RETAIN_GRACE_S}
         for sid, held in list(self.runner.epochs.items()):
-            if r.sessions.get(sid, -1) != held:
+            if r.sessions.get(sid, -1) != held and sid not in self.opened:
                 self.runner.free(sid)
 
     async def _send_loop(self) -> None:

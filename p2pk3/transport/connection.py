@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 from .codec import DEFAULT_MAX_PAYLOAD, MAX_HEADER_LEN, Frame, ProtocolError, encode
 from .decoder import FrameDecoder
-from .faults import Faults
+from .faults import PROCESS, Faults
 from .messages import error_frame
 
 log = logging.getLogger("p2pk3.transport")
@@ -343,7 +343,7 @@ class Connection:
         if self._close_reason is not None or tr is None or tr.is_closing():
             raise ConnectionClosed(self._close_reason or "connection is closing")
         chunks = encode(frame, checksum=self.checksum, forward=forward)
-        if count and self.faults.active:
+        if count and (self.faults.active or PROCESS.active):
             chunks = await self._inject_faults(chunks)
             if chunks is None:  # dropped
                 self.frames_sent += 1
@@ -359,8 +359,9 @@ class Connection:
             self._fail_closed(self.faults.close_reason)
 
     async def _inject_faults(self, chunks: list[Any]) -> list[Any] | None:
-        """Apply `self.faults` (p2pk3.transport.faults) to the encoded chunks of the next frame: None drops it."""
-        f = self.faults
+        """Apply `self.faults` (p2pk3.transport.faults; the process-wide `PROCESS` when this connection has none
+        on) to the encoded chunks of the next frame: None drops it."""
+        f = self.faults if self.faults.active else PROCESS
         idx = self.frames_sent
         if f.closes_at(idx):
             self._fail_closed(f.close_reason)

@@ -2,11 +2,17 @@
 handshake (delay, abort, black hole, one corrupted byte). Sans-IO: no sockets, no event loop. The
 connection's one send path (`Connection._send_frame` in p2pk3.transport.connection) asks these questions
 about every frame it encodes, so a faulty connection runs exactly the production code around the fault:
-the same encoding, the same writev / transport hand-off, the same close and error paths."""
+the same encoding, the same writev / transport hand-off, the same close and error paths.
+
+`PROCESS` applies to every connection whose own Faults are off: `cut_off_on_signals()` (a node started
+with the hidden `--fault-signals`, tools/chaos.py) makes SIGUSR1 black-hole every frame the process sends
+on any connection, old or new, and SIGUSR2 end that: the node cannot answer nor send (a partition of that
+node on loopback, where network namespaces are not at hand), while it still hears what reaches it."""
 
 from __future__ import annotations
 
 import random
+import signal
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,4 +75,17 @@ class Faults:
         return [bytes(data)]
 
 
-__all__ = ["Faults"]
+PROCESS = Faults()  # applies to every connection whose own faults are off (off unless set)
+
+
+def cut_off_on_signals() -> None:
+    """SIGUSR1: every frame this process sends from now on is discarded; SIGUSR2: sending works again."""
+
+    def cut(signum, frame) -> None:
+        PROCESS.drop_after = 0 if signum == signal.SIGUSR1 else None
+
+    signal.signal(signal.SIGUSR1, cut)
+    signal.signal(signal.SIGUSR2, cut)
+
+
+__all__ = ["Faults", "PROCESS", "cut_off_on_signals"]

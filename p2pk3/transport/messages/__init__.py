@@ -4,8 +4,8 @@ them by who talks:
 
 * ring.py: between daemons along the ring: `forward`, `result`, `free`, `ping` / `pong`;
 * client.py: any authenticated peer <-> the entry: `generate`, `token`, `done`, `cancel`, `status`, `error`;
-* control.py: slot claims (`claim`, `claim_result`), failure handling (`takeover`, `route`, `retain`) and the
-  spare pool (`join` -> `joined`);
+* control.py: slot claims (`claim`, `claim_result`), failure handling (`takeover`, `route`, `retain`,
+  `handover`) and the spare pool (`join` -> `joined`);
 * files.py: file sharing between nodes (`file_list` -> `file_index`, `file_get` -> `file_chunk`);
 * fields.py: the field checks they share, and the error codes.
 
@@ -52,9 +52,11 @@ from .control import (
     parse_retain,
     parse_route,
     parse_takeover,
+    parse_handover,
     retain_frame,
     route_frame,
     takeover_frame,
+    handover_frame,
 )
 from p2pk3.params import TokenLogprob
 
@@ -144,6 +146,8 @@ __all__ = [
     "parse_claim_result",
     "takeover_frame",
     "parse_takeover",
+    "handover_frame",
+    "parse_handover",
     "Route",
     "route_frame",
     "parse_route",

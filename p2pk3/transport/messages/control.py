@@ -1,6 +1,6 @@
 """Control frames between daemons: slot claims (`claim` / `claim_result`; node/claims.py runs the
-protocol), failure handling (`takeover`, `route`, `retain`; node/failover.py decides when) and the spare
-pool (`join` / `joined`; node/spares.py)."""
+protocol), failure handling (`takeover`, `route`, `retain`; node/failover.py decides when; `handover`: a
+degraded stage's holder steps down, node/degraded.py) and the spare pool (`join` / `joined`; node/spares.py)."""
 
 from __future__ import annotations
 
@@ -137,6 +137,21 @@ def parse_takeover(frame: Frame) -> tuple[str, tuple[str, int] | None]:
     """(slot, replaces)."""
     h = expect(frame, "takeover")
     return name(h.get("slot"), "takeover frame: slot"), _parse_replaces(h, "takeover frame")
+
+
+def handover_frame(slot: str, epoch: int, reason: str) -> Frame:
+    """The entry asks the holder of `slot` at claim `epoch` to step down (it is degraded: `reason` says how
+    slow) so that a standby takes the slot over; the holder answers with the same frame, then stops."""
+    return Frame.make("handover", slot=slot, epoch=int(epoch), reason=reason)
+
+
+def parse_handover(frame: Frame) -> tuple[str, int, str]:
+    """(slot, epoch, reason)."""
+    h = expect(frame, "handover")
+    reason = h.get("reason", "")
+    if not isinstance(reason, str) or len(reason) > 4 * MAX_NAME:
+        raise ProtocolError(f"handover frame: reason must be a string of at most {4 * MAX_NAME} characters")
+    return name(h.get("slot"), "handover frame: slot"), count(h.get("epoch"), "handover frame: epoch"), reason
 
 
 @dataclass(frozen=True)
