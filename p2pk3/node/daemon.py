@@ -33,7 +33,6 @@ from p2pk3.engine.reference import configure_cpu_threads
 from p2pk3.engine.sampler import grammar_tokenizer
 from p2pk3.model.config import K3Config
 from p2pk3.topology import Topology
-from p2pk3.topology.sizing import loaded_weight_bytes
 from p2pk3.transport.codec import Frame, ProtocolError
 from p2pk3.transport.connection import ConnectionClosed, TransportError, open_connection
 from p2pk3.transport.messages import (
@@ -68,10 +67,10 @@ from .discovery import Discovery
 from .entry import Entry
 from .failover import Coordinator, entry_lost, request
 from .links import LinkDown, PeerLink
-from .metrics import memory_usage
 from .monitor import Monitor
 from .options import NodeOptions
-from .prefix_setup import deliver, make_caches, make_matcher, prefix_status, reports
+from .prefix_setup import deliver, make_caches, make_matcher, reports
+from .status import node_status
 from .replaced import tell_replaced
 from .routes import RouteTable
 from .serving import ClientRequests, ClientService
@@ -709,48 +708,5 @@ class NodeDaemon:
 
     # ------------------------------------------------------------------ status
     def public_stats(self) -> dict:
-        w = self.worker.stats if self.worker else None
-        st = {
-            "slot": self.slot_id,
-            "standby": self.role == "standby",
-            "role": self.role,
-            "node": self.node_id,
-            "epoch": self.claim.epoch if self.claim else None,
-            "address": [self.advertised_host, self.port],
-            "batches": w.batches if w else 0,
-            "tokens": w.tokens if w else 0,
-            "busy_s": round(w.busy_s, 4) if w else 0.0,
-            "last_batch_ms": round(w.last_batch_ms, 3) if w else 0.0,
-            "busy": round(self.worker.busy_fraction(), 3) if self.worker else 0.0,
-            "queue": self.worker.depth if self.worker else 0,
-            "sessions": self.runner.sessions if self.runner else 0,
-            "errors": self.stats["errors"] + (w.errors if w else 0),
-            "uptime_s": round(time.time() - self.stats["started"], 1),
-            "memory": memory_usage(self.opts.device),
-        }
-        if self.runner is not None:  # what the planner's table sizes (p2pk3.topology.sizing)
-            st["memory"] |= {"weights": loaded_weight_bytes(self.runner.stage), "cache": self.runner.cache.bytes()}
-        if self.role in ("entry", "stage") and hasattr(self, "plan"):
-            st["layers"] = [self.plan.layers[0].layer, self.plan.last_layer] if self.plan.layers else None
-        try:
-            st["entry"] = list(self.routes.address(self.topo.active[0].id))
-        except ConnectionError:
-            st["entry"] = None
-        prefix_status(st, self.runner, self.entry)  # the prefix cache: this stage's, the entry's hits
-        if self.runner is not None:  # speculative decoding: passes by width, rollbacks (stage_runner.py)
-            st["spec"] = self.runner.spec_stats() | (self.entry.spec_stats() if self.entry is not None else {})
-        if self.entry is not None:
-            st["live_sessions"] = len(self.entry.live())
-            st["paused"] = self.entry.paused
-            st["finished"], st["failed"], st["cancelled"] = self.entry.finished, self.entry.failed, self.entry.cancelled
-            st["schedule"] = self.entry.schedule_stats()
-        if self.clients is not None:
-            st["admission"] = self.clients.admission.stats()
-        if self.coordinator is not None:
-            st["unavailable"] = self.coordinator.unavailable
-            st["down"] = sorted(self.coordinator.down)
-            st["events"] = self.coordinator.events[-20:]
-            st["spares"] = self.spares.rows(self.monitor.state if self.monitor else lambda k: None)
-            if self.coordinator.degraded is not None:  # slow stages (node/degraded.py)
-                st["degraded"] = self.coordinator.degraded.report()
-        return st
+        """What the `status` request and the pongs answer (node/status.py)."""
+        return node_status(self)
