@@ -396,6 +396,8 @@ def test_regressions_found_by_fuzzing():
         M.Segment("bad", 0, 0, 1, SamplingParams(temperature=1e-300, seed=1)),
         M.Segment("good", 0, 0, 1, SamplingParams(max_tokens=2)),
     ]
-    out = StageRunner._sample(None, segs, torch.randn(2, 16), False)
+    runner = StageRunner.__new__(StageRunner)  # the sampling step alone: no stage, no caches
+    runner.samplers, runner.grammar_tokenizer, runner.prefix = {}, None, None
+    out = runner._sample(segs, torch.randn(2, 16), [1, 1])
     assert out.results[0].error and "sampling failed" in out.results[0].error
     assert out.results[1].error is None
