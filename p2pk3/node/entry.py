@@ -61,6 +61,7 @@ from p2pk3.spec.proposers import NgramProposer, SuffixIndex, SuffixProposer
 from p2pk3.transport.codec import MAX_HEADER_LEN
 from p2pk3.transport.messages import ErrorCode, Result, Segment
 
+from .options import chunk_after_hit
 from .stage_runner import Work
 
 
@@ -399,7 +400,12 @@ class Entry:
             ready.sort(key=lambda s: s.t_submit)
             segs, ids, budget = [], [], budget_cap
             for s in ready:
-                n = 1 if s.incremental else min(len(s.tokens) - s.sent, self.prefill_chunk, budget)
+                chunk = (
+                    chunk_after_hit(s.prompt_len - s.cached, self.prefill_depth, self.prefill_chunk)
+                    if s.cached
+                    else self.prefill_chunk
+                )
+                n = 1 if s.incremental else min(len(s.tokens) - s.sent, chunk, budget)
                 if n <= 0:
                     break
                 keys = {}

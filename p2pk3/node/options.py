@@ -10,6 +10,17 @@ QUEUE_FACTOR = 4  # the default admission queue holds this many times the sessio
 DEFAULT_QUEUE_TIMEOUT_S = 600.0  # node/admission.py says why
 
 
+HIT_CHUNK_MIN = 32  # tokens: the smallest chunk a prefix-cache hit's remainder is cut into
+
+
+def chunk_after_hit(remainder: int, depth: int, chunk: int) -> int:
+    """The prefill chunk of a session that starts at a cached prefix (the entry and the simulator alike): the
+    `remainder` still to compute is cut so that the `depth` chunks in flight fill the pipeline (a 2k-token
+    agent turn through 78 stages: 32-token chunks, not 8 of 256, whose passes would each cross the ring
+    nearly alone), never below HIT_CHUNK_MIN nor above `chunk`. A cold prompt keeps `chunk`."""
+    return max(1, min(chunk, max(HIT_CHUNK_MIN, -(-remainder // max(1, depth)))))
+
+
 @dataclass
 class NodeOptions:
     host: str = "127.0.0.1"  # listen address

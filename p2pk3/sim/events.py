@@ -21,6 +21,8 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
+from p2pk3.node.options import chunk_after_hit
+
 from .model import CostModel, Unit
 
 PREFILL_SHARE = 0.5  # as p2pk3/node/entry.py: a prefill unit costs at most this share of a decode unit
@@ -59,6 +61,8 @@ def run(
     S = len(cost.stages)
     M = w.micro_batches or S
     D = w.prefill_depth or S
+    # a hit's remainder is cut finer, as the entry cuts it (node/options.py chunk_after_hit)
+    chunk = chunk_after_hit(w.prompt - w.cached, D, w.prefill_chunk) if w.cached else w.prefill_chunk
     queues: list[list[list[Unit]]] = [[] for _ in range(S)]  # per stage: units (lists of Unit) in arrival order
     busy = [False] * S
     owed = [False] * S  # a prefill unit waited behind the last decode batch: it goes next
@@ -171,7 +175,7 @@ def run(
                 break
             unit, budget = [], cap
             for i in ready:
-                n = min(w.prefill_chunk, w.prompt - sent_prompt[i], budget)
+                n = min(chunk, w.prompt - sent_prompt[i], budget)
                 if w.snapshot_span:  # the entry cuts a chunk at the next snapshot point (prefix_match.py)
                     n = min(n, w.snapshot_span - sent_prompt[i] % w.snapshot_span)
                 if n <= 0:
