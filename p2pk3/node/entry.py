@@ -65,6 +65,7 @@ from .stage_runner import Work
 
 
 PROMPT_LOGPROB_BYTES = 13  # a prompt logprob entry on the wire, per (1 + top) ids and logprobs, about
+
 # while sessions decode, a prefill unit costs at most this share of a decode unit: a stage runs at most one
 # prefill unit between two decode batches, so the others' inter-token time grows by at most 1 + this
 PREFILL_SHARE = 0.5
