@@ -185,3 +185,26 @@ def test_the_last_stage_fails_only_the_session_it_cannot_sample(ckpt):
     # c's next segment lacks position 3's id: c fails, saying so
     out = r.run(Work([Segment("c", 0, 3, 1, SamplingParams(frequency_penalty=1.0))], tokens=torch.tensor([9])))
     assert "knows 3 ids of the session; position 4 needs 4" in out.results[0].error
+
+
+def test_cli_sampling_options_reach_the_overrides():
+    """Every CLI front end (chat, generate, local --prompt) takes the penalties through sampling_options;
+    unset they stay None, so PromptBuilder fills in the checkpoint's generation_config."""
+    import click
+    from click.testing import CliRunner
+
+    from p2pk3.cli.options import sampling_options
+
+    got = {}
+
+    @click.command()
+    @sampling_options
+    def cmd(sampling):
+        got["s"] = sampling
+
+    r = CliRunner().invoke(cmd, ["--min-p", "0.1", "--repetition-penalty", "1.2", "--frequency-penalty", "-0.5"])
+    assert r.exit_code == 0, r.output
+    s = got["s"]
+    assert (s.min_p, s.repetition_penalty, s.frequency_penalty, s.presence_penalty) == (0.1, 1.2, -0.5, None)
+    r = CliRunner().invoke(cmd, ["--presence-penalty", "3"])
+    assert r.exit_code == 2 and "--presence-penalty" in r.output
