@@ -16,7 +16,7 @@ from p2pk3.agent.penalties import Penalties, apply_penalties
 from p2pk3.engine.reference import default_model_dir
 from p2pk3.engine.sampler import SamplerError, SessionSampler
 from p2pk3.engine.sampling import sample_at
-from p2pk3.params import SamplingParams
+from p2pk3.params import SamplingParams, TokenLogprob
 from p2pk3.tokenizer import ChatTokenizer
 
 SCHEMA = {
@@ -185,3 +185,56 @@ def test_the_last_stage_fails_only_the_session_it_cannot_sample(ckpt):
     # c's next segment lacks position 3's id: c fails, saying so
     out = r.run(Work([Segment("c", 0, 3, 1, SamplingParams(frequency_penalty=1.0))], tokens=torch.tensor([9])))
     assert "knows 3 ids of the session; position 4 needs 4" in out.results[0].error
+
+
+def test_cli_sampling_options_reach_the_overrides():
+    """Every CLI front end (chat, generate, local --prompt) takes the penalties through sampling_options;
+    unset they stay None, so PromptBuilder fills in the checkpoint's generation_config."""
+    import click
+    from click.testing import CliRunner
+
+    from p2pk3.cli.options import sampling_options
+
+    got = {}
+
+    @click.command()
+    @sampling_options
+    def cmd(sampling):
+        got["s"] = sampling
+
+    r = CliRunner().invoke(cmd, ["--min-p", "0.1", "--repetition-penalty", "1.2", "--frequency-penalty", "-0.5"])
+    assert r.exit_code == 0, r.output
+    s = got["s"]
+    assert (s.min_p, s.repetition_penalty, s.frequency_penalty, s.presence_penalty) == (0.1, 1.2, -0.5, None)
+    r = CliRunner().invoke(cmd, ["--presence-penalty", "3"])
+    assert r.exit_code == 2 and "--presence-penalty" in r.output
+
+
+def test_the_entry_sends_ids_and_the_grammar_once_per_epoch():
+    """Segments of a stateful session carry its ids (with the next id for a chunk that has more history
+    after it); the grammar rides only on the prompt's last chunk of each epoch, not on decode steps."""
+    from p2pk3.node.entry import Entry
+    from p2pk3.transport.messages import Result
+
+    sent = []
+    e = Entry(sent.append, lambda _s: None, prefill_chunk=4)
+    p = SamplingParams(max_tokens=5, grammar={"type": "json_object"}, prompt_logprobs=1)
+    s = e.submit([10, 11, 12, 13, 14, 15], p)
+    (w1,) = sent
+    (seg,) = w1.segments
+    assert seg.ids == (10, 11, 12, 13, 14) and seg.sample is None and seg.prompt_logprobs == 1  # chunk 0..3 + next
+    lp = [TokenLogprob(t, -1.0) for t in (11, 12, 13, 14, 15)]
+    e.on_results([Result(s.id, 0, 4, skip=True, prompt_logprobs=tuple(lp[:4]), prompt_from=1)], None)
+    seg = sent[-1].segments[0]
+    assert seg.start_pos == 4 and seg.ids == (14, 15) and seg.sample.grammar == p.grammar and seg.output_from == 6
+    e.on_results([Result(s.id, 0, 6, 20, prompt_logprobs=tuple(lp[4:]), prompt_from=5)], None)
+    assert s.prompt_lps[1:] == lp
+    seg = sent[-1].segments[0]
+    assert seg.start_pos == 6 and seg.ids == (20,) and seg.sample.grammar is None and seg.prompt_logprobs is None
+    e.replay_all()  # a repair: the new epoch's last chunk carries the grammar again
+    e.resume()
+    assert sent[-1].segments[0].prompt_logprobs is None  # the prompt's logprobs all came back: not asked again
+    e.on_results([Result(s.id, 1, 4, skip=True)], None)
+    seg = sent[-1].segments[0]
+    assert seg.epoch == 1 and seg.ids == (14, 15, 20) and seg.sample.grammar == p.grammar
+    assert seg.prompt_logprobs is None

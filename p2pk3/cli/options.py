@@ -2,7 +2,7 @@
 speculation options (same names, defaults and help everywhere).
 
     @topology_option()                    # --topology FILE -> topology_path (required=False: optional)
-    @sampling_options                     # --max-tokens --temperature --top-k --top-p --seed
+    @sampling_options                     # --max-tokens --temperature --top-k --top-p --seed --min-p and penalties
     @speculation_options                  # --speculate --draft-tokens
     def cmd(topology_path, sampling): ... # sampling: a SamplingOverrides (frontends/prompt.py)
 
@@ -97,10 +97,21 @@ def _overrides(f, names: tuple[str, ...], options: list):
 
 
 def sampling_options(f):
-    """--max-tokens, --temperature, --top-k, --top-p, --seed (unset: the checkpoint's generation_config)."""
+    """--max-tokens, --temperature, --top-k, --top-p, --seed, --min-p, --repetition-penalty,
+    --frequency-penalty, --presence-penalty (unset: the checkpoint's generation_config, else off)."""
     return _overrides(
         f,
-        ("max_tokens", "temperature", "top_k", "top_p", "seed"),
+        (
+            "max_tokens",
+            "temperature",
+            "top_k",
+            "top_p",
+            "seed",
+            "min_p",
+            "repetition_penalty",
+            "frequency_penalty",
+            "presence_penalty",
+        ),
         [
             click.option(
                 "--max-tokens",
@@ -126,6 +137,34 @@ def sampling_options(f):
                 show_default=f"{_FROM_MODEL}1",
             ),
             click.option("--seed", type=click.IntRange(min=0, max=MAX_SEED), default=None),
+            click.option(
+                "--min-p",
+                type=click.FloatRange(0, 1),
+                default=None,
+                show_default=f"{_FROM_MODEL}0",
+                help="drop tokens below this share of the likeliest one's probability (0 = off)",
+            ),
+            click.option(
+                "--repetition-penalty",
+                type=click.FloatRange(min=0, min_open=True),
+                default=None,
+                show_default=f"{_FROM_MODEL}1",
+                help="divide the logits of tokens already in the prompt or the answer by this (1 = off)",
+            ),
+            click.option(
+                "--frequency-penalty",
+                type=click.FloatRange(-2, 2),
+                default=None,
+                show_default="0",
+                help="lower each token's logit by this times its count in the answer so far",
+            ),
+            click.option(
+                "--presence-penalty",
+                type=click.FloatRange(-2, 2),
+                default=None,
+                show_default="0",
+                help="lower the logit of every token already in the answer by this",
+            ),
         ],
     )
 

@@ -50,7 +50,7 @@ import asyncio
 import collections
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -66,6 +66,7 @@ from .stage_runner import Work
 
 
 PROMPT_LOGPROB_BYTES = 13  # a prompt logprob entry on the wire, per (1 + top) ids and logprobs, about
+
 # while sessions decode, a prefill unit costs at most this share of a decode unit: a stage runs at most one
 # prefill unit between two decode batches, so the others' inter-token time grows by at most 1 + this
 PREFILL_SHARE = 0.5
@@ -99,6 +100,9 @@ class Session:
     t_done: float | None = None
     # speculative decoding
     seg_params: SamplingParams | None = None  # what segments carry (params without the speculation options)
+    # what decode segments carry: seg_params without the grammar, which the last stage took from the prompt's
+    # last chunk (its sampler state keeps it for the epoch), so a schema does not travel with every token
+    decode_params: SamplingParams | None = None
     proposer: object | None = None  # p2pk3.spec.proposers, None: no speculation
     draft_len: DraftLength | None = None
     inflight_draft: int = 0  # drafted tokens in the unit in flight
@@ -251,6 +255,7 @@ class Entry:
         sid = f"s{self.node_tag}-{next(self._ids)}"
         s = Session(sid, 0, list(prompt), len(prompt), params, want_logits, incremental)
         s.seg_params = params.sampler()
+        s.decode_params = replace(s.seg_params, grammar=None) if params.grammar is not None else s.seg_params
         s.output_from = len(prompt) - generated
         if params.prompt_logprobs is not None:
             s.prompt_lps = [TokenLogprob(prompt[0], None)] + [None] * (s.output_from - 1)
@@ -369,7 +374,9 @@ class Entry:
                 drafting = drafting or bool(draft)
             known = s.ids_at(s.sent, 1, False)
             segs.append(
-                Segment(s.id, s.epoch, s.sent, 1 + len(draft), s.seg_params, s.want_logits, draft, known, s.output_from)
+                Segment(
+                    s.id, s.epoch, s.sent, 1 + len(draft), s.decode_params, s.want_logits, draft, known, s.output_from
+                )
             )
             ids.append(s.tokens[s.sent])
             ids.extend(draft)

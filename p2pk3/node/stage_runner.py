@@ -10,8 +10,9 @@ Sessions are versioned by `epoch`: a segment at position 0 with a newer epoch th
 segment of an older epoch is refused (`SessionError`).
 
 The last stage keeps a `SessionSampler` (engine/sampler.py) per session whose sampling is stateful
-(penalties, grammar, prompt logprobs): the segments' `ids` feed its history, it lives and dies with the
-session's epoch here, and its errors (a grammar that does not compile) fail only that session.
+(penalties, grammar, prompt logprobs): the segments' `ids` feed its history, its parameters are the first
+`sample` of the epoch (the prompt's last chunk; later segments omit the grammar), it lives and dies with
+the session's epoch here, and its errors (a grammar that does not compile) fail only that session.
 """
 
 from __future__ import annotations
