@@ -146,6 +146,12 @@ class SamplingParams:
         )
 
     @property
+    def needs_prompt_ids(self) -> bool:
+        """The last stage's sampler reads the prompt's ids, not only the output's (the repetition penalty counts
+        them, prompt logprobs score them): such a session starts at position 0, never at a cached prefix."""
+        return self.repetition_penalty != 1 or self.prompt_logprobs is not None
+
+    @property
     def speculating(self) -> bool:
         return self.speculate != "off" and self.draft_tokens > 0
 

@@ -267,6 +267,34 @@ def test_ring_greedy_tokens_with_the_cache_equal_the_reference_and_report_cached
     assert st["hit_tokens"] > 0
 
 
+def test_sessions_with_output_penalties_hit_and_those_that_read_the_prompt_start_at_zero(ckpt, reference):
+    """Frequency / presence penalties read only the output: such a session starts at a cached prefix (its
+    last-stage sampler holds the positions below as unknown); the repetition penalty counts the prompt's ids,
+    so that session starts at 0. Both give the single-process tokens."""
+    system, turns = prompts(7)
+    out_pen = SamplingParams(max_tokens=8, frequency_penalty=-2.0, presence_penalty=-2.0)  # repeat yourself
+    rep_pen = SamplingParams(max_tokens=8, repetition_penalty=1.8)
+
+    async def main():
+        topo = loopback_topology(ckpt, 3)
+        async with InProcessRing(topo, ckpt, prefill_chunk=8, prefix_block=B, snapshot_every=2) as ring:
+            c = await ring.client()
+            try:
+                first = await c.generate(turns[0], SamplingParams(max_tokens=2))  # fills the caches
+                a = await c.generate(turns[1], out_pen)
+                b = await c.generate(turns[2], rep_pen)
+                return first, a, b
+            finally:
+                c.close()
+
+    first, a, b = run(main())
+    assert first.stats["cached_tokens"] == 0
+    assert a.stats["cached_tokens"] > 0 and b.stats["cached_tokens"] == 0, (a.stats, b.stats)
+    assert a.tokens == reference.generate([turns[1]], out_pen)[0]
+    assert b.tokens == reference.generate([turns[2]], rep_pen)[0]
+    assert a.tokens != reference.generate([turns[1]], SamplingParams(max_tokens=8))[0]  # the penalties acted
+
+
 @pytest.mark.slow
 def test_after_a_takeover_the_new_holder_misses_and_the_answers_stay_right(ckpt, reference):
     from p2pk3.node.local import free_ports

@@ -75,6 +75,9 @@ def _entries(lp, n: int) -> list[TokenLogprob]:
     ]
 
 
+UNKNOWN = -1  # a prompt position's id the sampler was not sent (below a cached prefix; never read)
+
+
 class SessionSampler:
     """The sampling state of one session (module doc). `params` may come later than the first ids (a
     prompt's chunks before its last carry ids but nothing to sample): `configure` then."""
@@ -90,6 +93,11 @@ class SessionSampler:
 
     def configure(self, params: SamplingParams, gtok: GrammarTokenizer | None = None) -> None:
         """Set the session's parameters (compiles the grammar; SamplerError if it does not compile)."""
+        if params.needs_prompt_ids and UNKNOWN in self.ids[: self.output_from]:
+            raise SamplerError(
+                "this session started at a cached prefix, but its sampling (repetition penalty, prompt logprobs) "
+                "needs the whole prompt's ids"
+            )
         self.params = params
         pen = Penalties(
             params.frequency_penalty,
@@ -110,7 +118,11 @@ class SessionSampler:
 
     # -- history -----------------------------------------------------------------------------------------
     def feed(self, start: int, ids: Sequence[int], output_from: int) -> None:
-        """The ids at positions start .. start + len(ids) - 1 (what a segment carries)."""
+        """The ids at positions start .. start + len(ids) - 1 (what a segment carries). A session that starts at
+        a cached prefix (p2pk3/node/prefix_match.py) begins inside its prompt: when the sampler needs no
+        prompt ids (`SamplingParams.needs_prompt_ids`), the positions below are held as UNKNOWN."""
+        if len(self.ids) < start <= output_from and (self.params is None or not self.params.needs_prompt_ids):
+            self.ids.extend([UNKNOWN] * (start - len(self.ids)))
         if start > len(self.ids):  # (position 0 always fits: a replay starts there)
             raise SamplerError(
                 f"the sampler knows positions 0..{len(self.ids) - 1} of the session, not {start} "
@@ -152,7 +164,8 @@ class SessionSampler:
         x = row.detach().float().clone()
         if self.penalties is not None:
             out = self.ids[self.output_from : pos] + list(extra)
-            apply_penalties(x[None], [self.penalties], prompt_ids=[self.ids[: self.output_from]], output_ids=[out])
+            prompt = [self.ids[: self.output_from]] if self.params.needs_prompt_ids else None
+            apply_penalties(x[None], [self.penalties], prompt_ids=prompt, output_ids=[out])
         if self._constrained:
             self.matcher.apply(x)
         return x

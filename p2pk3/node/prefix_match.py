@@ -135,9 +135,11 @@ class PrefixMatcher:
 
     def restart(self, s) -> None:
         """Start (again) at the longest point every slot holds. None for scoring (every position's logits) and
-        for a session the last stage keeps sampler state for (`SamplingParams.stateful`: penalties, a grammar,
-        prompt logprobs), whose sampler must see the session's ids from position 0."""
-        pos, key = (0, None) if s.want_logits or s.params.stateful else self.match(s.tokens[: s.prompt_len], s.chain)
+        for a session whose last-stage sampler reads the prompt's ids (`SamplingParams.needs_prompt_ids`: the
+        repetition penalty, prompt logprobs); a grammar and the frequency / presence penalties read only the
+        output and start at a cached prefix like any other session."""
+        skip = s.want_logits or s.params.needs_prompt_ids
+        pos, key = (0, None) if skip else self.match(s.tokens[: s.prompt_len], s.chain)
         s.sent, s.cached, s.prefix = pos, pos, key
 
     def missed(self, s) -> None:
