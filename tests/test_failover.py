@@ -116,8 +116,13 @@ def test_entry_failure_standby_takes_the_entry_and_clients_resume(ckpt, want):
         async def go():
             async def fault():
                 # the standby must have heard the entry once (its detector takes over only a slot that
-                # was up); its first heartbeats may have gone out before the entry listened
-                await asyncio.sleep(3 * 0.5 + 1.0)
+                # was up; its first heartbeats may have gone out before the entry listened): its log says
+                # so. Kill at once then, while the sessions still stream (they take ~2 s on this host)
+                log = ring.log_dir / "node-s4.log"
+                deadline = time.monotonic() + 10.0
+                while "slot s0 is up" not in (log.read_text() if log.exists() else ""):
+                    assert time.monotonic() < deadline, "the standby never heard the entry"
+                    await asyncio.sleep(0.05)
                 ring.signal("s0", signal.SIGKILL)
 
             outs, t = await _sessions(ring, fault)

@@ -156,6 +156,11 @@ def test_a_stage_slowed_to_a_third_is_marked_degraded_and_handed_to_the_standby(
         assert after >= 0.6 * base  # the issue asks 90 %; on this shared host the undisturbed rate alone swings 1.5x
 
 
+# seconds of flapping: half a minute in CI (5 stops), the issue's minute with P2PK3_FLAP_S=60 (the figure
+# in docs/benchmarks.md is of a minute)
+FLAP_S = float(os.environ.get("P2PK3_FLAP_S", "30"))
+
+
 def test_a_flapping_node_causes_at_most_one_takeover_and_no_token_lost_or_repeated(ckpt, want):
     with LocalRing(ckpt, 3, standby=1) as ring:
 
@@ -163,9 +168,9 @@ def test_a_flapping_node_causes_at_most_one_takeover_and_no_token_lost_or_repeat
             load = Load(ring, want, workers=4)
             run = load.start()
             await asyncio.sleep(4)
-            flap = DutyCycle(ring.procs["s1"].pid, 3.0, 3.0)  # stopped 3 s, running 3 s, for a minute
+            flap = DutyCycle(ring.procs["s1"].pid, 3.0, 3.0)  # stopped 3 s, running 3 s, for FLAP_S
             flap.start()
-            await asyncio.sleep(60)
+            await asyncio.sleep(FLAP_S)
             flap.end()
             await asyncio.sleep(4)
             load.stop.set()
@@ -176,7 +181,7 @@ def test_a_flapping_node_causes_at_most_one_takeover_and_no_token_lost_or_repeat
         takeovers = [e for e in st["events"] if e["event"] == "takeover"]
         kinds = collections.Counter(e["event"] for e in st["events"])
         print(
-            f"\n[gray] s1 stopped/resumed every 3 s for 60 s ({cycles} cycles): {len(takeovers)} takeover(s) "
+            f"\n[gray] s1 stopped/resumed every 3 s for {FLAP_S:g} s ({cycles} cycles): {len(takeovers)} takeover(s) "
             f"(entry events: {dict(kinds)}), "
             f"{load.done} sessions, {load.wrong} with other tokens, {len(load.failed)} failed"
         )

@@ -524,8 +524,10 @@ class Entry:
             if s is None or s.done or r.epoch != s.epoch:  # finished, or a unit of an epoch before a replay
                 row += r.rows
                 continue
-            if r.code == ErrorCode.PREFIX_MISS and self.prefixes is not None and s.prefix is not None:
-                self._prefix_missed(s)  # a stage lost the prefix: again, from a shorter one
+            if r.code == ErrorCode.PREFIX_MISS and self.prefixes is not None:
+                # a stage lost the prefix: again, from a shorter one. A session that named none gets the code
+                # too when it shared the unit with one that did (a failed unit's segments share its error)
+                self._prefix_missed(s)
                 continue
             if r.error is not None:
                 self._finish(s, error=r.error, code=r.code or ErrorCode.FAILED)
