@@ -55,6 +55,22 @@ def local_ring(model_dir=None, nodes: int = 2, **kw):
         yield r
 
 
+@contextlib.contextmanager
+def api_beside(ring, keydir, key: str, **kw):
+    """The OpenAI / Anthropic API (`p2pk3 serve` in a subprocess) in front of a LocalRing, its key in a file
+    under `keydir`, always stopped. `from conftest import api_beside`."""
+    from p2pk3.api import start_api_in_background
+    from p2pk3.node.local import free_ports
+
+    keyfile = keydir / "key"
+    keyfile.write_text(key + "\n")
+    a = start_api_in_background(ring.topology, "127.0.0.1", free_ports(1)[0], keyfile, **kw)
+    try:
+        yield a
+    finally:
+        a.stop()
+
+
 def run(coro, timeout: float = 30.0, loop: str = "asyncio"):
     """Run a test coroutine with a deadline (`loop="uvloop"` on uvloop): nothing in a test waits forever.
     Test modules import it: `from conftest import run`."""

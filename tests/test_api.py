@@ -14,7 +14,6 @@ import aiohttp
 import openai
 import pytest
 
-from p2pk3.api import start_api_in_background
 from p2pk3.api.app import ApiConfig, create_app
 from p2pk3.api.cluster import Cluster
 from p2pk3.api.errors import from_cluster
@@ -25,6 +24,7 @@ from p2pk3.node.local import LocalRing, free_ports, probe, write_local_topology
 from p2pk3.params import SamplingParams
 from p2pk3.tokenizer import ChatTokenizer
 from p2pk3.topology import Topology
+from conftest import api_beside
 
 KEY = "sk-test-0123456789"
 MODEL = default_model_dir().name  # the embedded default (k3-docs)
@@ -66,13 +66,8 @@ def ring(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def api(ring, tmp_path_factory):
-    keyfile = tmp_path_factory.mktemp("api-key") / "key"
-    keyfile.write_text(KEY + "\n")
-    a = start_api_in_background(ring.topology, "127.0.0.1", free_ports(1)[0], keyfile)
-    try:
+    with api_beside(ring, tmp_path_factory.mktemp("api-key"), KEY) as a:
         yield a
-    finally:
-        a.stop()
 
 
 @pytest.fixture(scope="module")

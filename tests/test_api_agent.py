@@ -19,13 +19,13 @@ import openai
 import pytest
 import torch
 
-from p2pk3.api import start_api_in_background
 from p2pk3.api.errors import ApiError
 from p2pk3.api.schema import parse_request
 from p2pk3.engine.reference import Pipeline, default_model_dir
 from p2pk3.frontends.prompt import PromptBuilder
-from p2pk3.node.local import LocalRing, free_ports
+from p2pk3.node.local import LocalRing
 from p2pk3.params import SamplingParams
+from conftest import api_beside
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_agent_grammar import SCHEMAS  # noqa: E402  (the 10 schemas: nested objects, arrays, enums, required)
@@ -98,13 +98,8 @@ def ring(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def api(ring, tmp_path_factory):
-    keyfile = tmp_path_factory.mktemp("agent-key") / "key"
-    keyfile.write_text(KEY + "\n")
-    a = start_api_in_background(ring.topology, "127.0.0.1", free_ports(1)[0], keyfile)
-    try:
+    with api_beside(ring, tmp_path_factory.mktemp("agent-key"), KEY) as a:
         yield a
-    finally:
-        a.stop()
 
 
 @pytest.fixture(scope="module")

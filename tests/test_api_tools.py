@@ -23,12 +23,12 @@ import pytest
 from pydantic import Field
 from agent_model import AB, CB, CE, SB, SE, THINK, UNTHINK, agent_checkpoint
 
-from p2pk3.api import start_api_in_background
 from p2pk3.api.app import ApiConfig, create_app
 from p2pk3.engine.reference import default_model_dir
 from p2pk3.frontends.prompt import PromptBuilder
 from p2pk3.node.local import LocalRing, free_ports
 from p2pk3.tokenizer import ChatTokenizer
+from conftest import api_beside
 
 KEY = "sk-agents-0123456789"
 MODEL = "k3-agents"
@@ -597,13 +597,8 @@ def ring(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def api(ring, tmp_path_factory):
-    keyfile = tmp_path_factory.mktemp("agent-key") / "key"
-    keyfile.write_text(KEY + "\n")
-    a = start_api_in_background(ring.topology, "127.0.0.1", free_ports(1)[0], keyfile, model_name=MODEL)
-    try:
+    with api_beside(ring, tmp_path_factory.mktemp("agent-key"), KEY, model_name=MODEL) as a:
         yield a
-    finally:
-        a.stop()
 
 
 @pytest.fixture(scope="module")

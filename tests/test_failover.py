@@ -183,10 +183,18 @@ def test_killed_standby_changes_nothing_and_restarted_node_does_not_take_its_slo
         assert st["down"] == [] and st["unavailable"] is None
         # now kill a middle stage with no standby left... (covered below); here: restart the standby,
         # kill s2, let the standby take it, then restart s2's old process: it must not get s2 back
+        entry_log = ring.log_path("s0")
+        ups = entry_log.read_text().count("slot s4 is up")
         ring.spawn("s4")
         ring.wait_up(["s4"], 60)
 
         async def go2():
+            # the entry counts the restarted standby once its detector hears it again (its log says so)
+            deadline = time.monotonic() + 30.0
+            while entry_log.read_text().count("slot s4 is up") <= ups:
+                assert time.monotonic() < deadline, "the entry never saw the restarted standby"
+                await asyncio.sleep(0.1)
+
             async def fault():
                 ring.signal("s2", signal.SIGKILL)
 
