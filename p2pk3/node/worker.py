@@ -243,7 +243,9 @@ class StageWorker:
         now = time.monotonic()
         self.opened = {sid: t for sid, t in self.opened.items() if now - t < RETAIN_GRACE_S}
         for sid, held in list(self.runner.epochs.items()):
-            if r.sessions.get(sid, -1) != held and sid not in self.opened:
+            listed = r.sessions.get(sid)
+            # a newer epoch than the list's was opened after it (a replay): kept, as a young session is
+            if (listed is None or held < listed) and sid not in self.opened:
                 self.runner.free(sid)
 
     async def _send_loop(self) -> None:
