@@ -346,12 +346,7 @@ async def _stream(request: web.Request, gen: Generation, shape: AnswerShaper, me
     pieces = gen.pieces()
     blocks = _BlockStream()
     try:
-        try:
-            first = await pieces.__anext__()  # errors before the first token are still a plain HTTP error
-        except StopAsyncIteration:
-            first = None
-        sse = SSE(request)
-        await sse.open()
+        sse, first = await SSE.after_first(request, pieces)
         start = {**meta, "content": [], "stop_reason": None, "stop_sequence": None}
         start["usage"] = {"input_tokens": gen.prompt_tokens, "output_tokens": 0}
         await sse.send({"type": "message_start", "message": start}, "message_start")

@@ -232,12 +232,7 @@ async def _stream(
 
     pieces = gen.pieces()
     try:
-        try:
-            first = await pieces.__anext__()  # errors before the first token are still a plain HTTP error
-        except StopAsyncIteration:
-            first = None
-        sse = SSE(request)
-        await sse.open()
+        sse, first = await SSE.after_first(request, pieces)
         if chat:
             await sse.send(chunk({"role": "assistant", "content": ""}, first=True))
         elif req.echo:

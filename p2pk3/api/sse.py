@@ -19,6 +19,18 @@ class SSE:
             },
         )
 
+    @classmethod
+    async def after_first(cls, request: web.Request, pieces) -> tuple["SSE", object]:
+        """(the opened stream, the first piece or None): the stream opens only after the generation's first
+        piece, so an error before the first token is still a plain HTTP error."""
+        try:
+            first = await pieces.__anext__()
+        except StopAsyncIteration:
+            first = None
+        sse = cls(request)
+        await sse.open()
+        return sse, first
+
     async def open(self) -> None:
         await self.response.prepare(self.request)
 
