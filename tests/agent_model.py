@@ -2,12 +2,13 @@
 
     model_dir = agent_checkpoint(tmp_path)      # weights linked, tokenizer and template rewritten
 
-The embedded model's tokenizer has reserved special tokens and a template without tools (its parsers find
-neither). As Kimi's own tokenizers do, the copy gives seven reserved slots the names of Kimi's tool-call
-section / call / argument tokens and of `<think>` `</think>`, and its chat template renders tools, assistant
-tool calls, tool results and thinking the way Kimi K2's does; the generation prompt opens a thinking section
-when `reasoning_effort` asks for thinking. The weights are the embedded model's (linked, not copied): it was
-never taught to call tools, so tests force the calls with tool_choice required / named.
+The embedded model's tokenizer names Kimi's tool-call section / call / argument tokens and `<think>`
+`</think>` at Kimi's offsets (p2pk3.tokenizer.bpe; a checkpoint from before they were named has reserved
+slots there, which the copy renames), and its template renders tools, tool calls and results, but its
+generation prompt never opens a thinking section. The copy's template is the same plus that: the generation
+prompt opens `<think>` when `reasoning_effort` asks for thinking. The weights are the embedded model's
+(linked, not copied); it was never taught to think, and tests that need a tool call force it with
+tool_choice required / named rather than rely on what it learned.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from p2pk3.engine.reference import default_model_dir
 SB, SE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 CB, AB, CE = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 THINK, UNTHINK = "<think>", "</think>"
-RENAMED = {5: SB, 6: SE, 7: CB, 8: AB, 9: CE, 11: THINK, 12: UNTHINK}  # reserved slot -> name
+RENAMED = {11: SB, 12: SE, 13: CB, 14: AB, 15: CE, 22: THINK, 23: UNTHINK}  # special slot -> name (Kimi's)
 
 TEMPLATE = (
     "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>{%- endif -%}"

@@ -113,3 +113,84 @@ def test_resumed_run_equals_an_uninterrupted_one(tmp_path):
     for phase in ("pretrain", "chat"):
         assert a["state"]["hist"][phase]["loss"] == b["state"]["hist"][phase]["loss"]
         assert len(a["state"]["hist"][phase]["loss"]) == (6 if phase == "pretrain" else 4)
+
+
+def test_conversation_example_masks_every_assistant_turn_and_nothing_else():
+    """A tool conversation through the shipped template: the loss targets are exactly the assistant's
+    parts (its tool-call section, its final answer, each closing <|im_end|>), written out here by hand."""
+    from p2pk3.engine.reference import default_model_dir
+    from p2pk3.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(_upgraded(default_model_dir()))
+    call = {"id": "functions.python_doc:0", "type": "function",
+            "function": {"name": "python_doc", "arguments": '{"name": "len"}'}}
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What does `len` do?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "functions.python_doc:0", "content": "Return the length of an object."},
+        {"role": "assistant", "content": "It returns the length."},
+        {"role": "user", "content": "Thanks!"},
+        {"role": "assistant", "content": "You are welcome."},
+    ]
+    ids, mask = td.conversation_example(tok, msgs, [{"type": "function", "function": {"name": "python_doc"}}])
+    assert len(mask) == len(ids) - 1 and ids[0] == tok.bos_id and ids[-1] == tok.eos_id
+    spans, cur = [], []
+    for t, m in zip(ids[1:], mask):
+        if m:
+            cur.append(t)
+        elif cur:
+            spans.append(tok.decode(cur, skip_special=False))
+            cur = []
+    assert spans == [
+        '<|tool_calls_section_begin|><|tool_call_begin|>functions.python_doc:0<|tool_call_argument_begin|>'
+        '{"name": "len"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>',
+        "It returns the length.<|im_end|>",
+        "You are welcome.<|im_end|>",
+    ]
+
+
+_UPGRADED: dict = {}
+
+
+def _upgraded(src):
+    import tempfile
+
+    from tools.trainlib.warm_start import upgrade_tokenizer
+
+    if src not in _UPGRADED:
+        _UPGRADED[src] = upgrade_tokenizer(src, tempfile.mkdtemp(prefix="p2pk3-tok-"))
+    return _UPGRADED[src]
+
+
+def test_warm_start_computes_what_the_exported_checkpoint_computes(tmp_path):
+    """--init-from: a trained stage exported (BF16 + MXFP4 experts) and loaded back into a fresh training
+    stage gives the logits that the real loader's inference stage gives for the same checkpoint."""
+    from p2pk3.checkpoint.tiny import write_checkpoint
+    from p2pk3.model.stage import K3Stage, StagePlan
+    from tools.trainlib.evaluate import forward_batch, load_shipped
+    from tools.trainlib.model import canonical_state_dict, init_stage, tiny_config
+    from tools.trainlib.warm_start import export_config, load_export
+
+    cfg = tiny_config(300, 268, 270, 299, hidden=64, layers=5, kda_heads=2, kda_dim=16, experts=4, moe_inter=32)
+    trained = K3Stage(cfg, StagePlan.whole(cfg))
+    init_stage(trained, seed=1)
+    with torch.no_grad():  # weights that are not the init's (a warm start must not be the init by chance)
+        for n, p in trained.named_parameters():
+            if not n.endswith("A_log"):  # (its padding past the real heads stays zero)
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.01)
+    write_checkpoint(tmp_path / "ck", cfg, seed=0, shards=2, state_dict=canonical_state_dict(trained))
+    warm = K3Stage(export_config(tmp_path / "ck"), StagePlan.whole(cfg))
+    init_stage(warm, seed=7)
+    assert load_export(warm, tmp_path / "ck") > 0
+    warm.eval()
+    x = torch.randint(0, 268, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        want = forward_batch(load_shipped(tmp_path / "ck"), x)
+        got = forward_batch(warm, x)
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+    cold = K3Stage(cfg, StagePlan.whole(cfg))  # the oracle can tell: a stage that did not load differs
+    init_stage(cold, seed=7)
+    cold.eval()
+    with torch.inference_mode():
+        assert not torch.allclose(forward_batch(cold, x), want, atol=1e-2)

@@ -173,6 +173,7 @@ def evaluate_export(run: str | Path, export_dir: str | Path, master, state: dict
     }
     m["data"] = {k: {"documents": len(v), "chars": sum(len(t) for t in v.values())} for k, v in split.items()}
     m["chat_pairs_train"] = len(doc_corpus.qa_pairs(split["train"]))
+    m["train_tokens"] = sum(len(tok.encode(v)) + 2 for v in split["train"].values())  # [BOS] doc [EOS]
     m["args"] = vars(a)
     m["python"], m["torch"] = sys.version.split()[0], torch.__version__
     m["export_bytes"] = sum(f.stat().st_size for f in export_dir.rglob("*") if f.is_file())
@@ -183,13 +184,13 @@ def evaluate_export(run: str | Path, export_dir: str | Path, master, state: dict
     return m
 
 
-def old_model_eval(split: dict[str, dict[str, str]]) -> dict:
+def old_model_eval(split: dict[str, dict[str, str]], old_dir: str | Path = OLD) -> dict:
     """The previous demo model on the new held-out documents and the same questions."""
     from p2pk3.tokenizer import load_tokenizer
 
-    old_tok = load_tokenizer(OLD)
-    old = load_shipped(OLD)
-    ob = byte_lengths(OLD, old_tok.vocab_size)
+    old_tok = load_tokenizer(old_dir)
+    old = load_shipped(old_dir)
+    ob = byte_lengths(old_dir, old_tok.vocab_size)
     old_ids = eval_stream(old_tok, split["heldout"])
     res = {"old": {"w128": score(old, old_ids, 128, ob), "w256": score(old, old_ids, 256, ob)}, "old_answers": []}
     for q in questions(split):
@@ -198,7 +199,7 @@ def old_model_eval(split: dict[str, dict[str, str]]) -> dict:
     return res
 
 
-def compare(run: str | Path, new_dir: str | Path, corpus: str | None, bench: bool) -> dict:
+def compare(run: str | Path, new_dir: str | Path, corpus: str | None, bench: bool, old_dir: str | Path = OLD) -> dict:
     """The old model against the new one (eval_new.json of the run); markdown for docs/quality.md."""
     from p2pk3.tokenizer import load_tokenizer
 
@@ -206,14 +207,15 @@ def compare(run: str | Path, new_dir: str | Path, corpus: str | None, bench: boo
     m = json.loads((run / "eval_new.json").read_text())
     split = doc_corpus.split_documents(doc_corpus.load_documents(corpus))
     cache = run / "eval_old.json"
-    res = json.loads(cache.read_text()) if cache.exists() else old_model_eval(split)
+    res = json.loads(cache.read_text()) if cache.exists() else old_model_eval(split, old_dir)
+    res["old_name"] = Path(old_dir).name
     cache.write_text(json.dumps(res, indent=2, ensure_ascii=False) + "\n")
     assert [a["question"] for a in res["old_answers"]] == [q["question"] for q in m["questions"]]
     new_tok = load_tokenizer(new_dir)
     new = load_shipped(new_dir)
     res["new_w128"] = score(new, eval_stream(new_tok, split["heldout"]), 128, byte_lengths(new_dir, new_tok.vocab_size))
     if bench:
-        res["bench"] = decode_bench(str(OLD), str(new_dir))
+        res["bench"] = decode_bench(str(old_dir), str(new_dir))
     (run / "eval_compare.json").write_text(json.dumps(res, indent=2, ensure_ascii=False) + "\n")
     (run / "quality.md").write_text(markdown(m, res))
     return res
@@ -251,12 +253,9 @@ def markdown(m: dict, res: dict) -> str:
         "| model | window | tokens scored | perplexity | bits per byte |",
         "|---|---|---|---|---|",
     ]
-    lines.append(
-        f"| old tiny-k3-pydoc (export) | 128 | {o['w128']['tokens']} | {o['w128']['ppl']:.1f} | {o['w128']['bpb']:.3f} |"
-    )
-    lines.append(
-        f"| old tiny-k3-pydoc (export) | 256 | {o['w256']['tokens']} | {o['w256']['ppl']:.1f} | {o['w256']['bpb']:.3f} |"
-    )
+    name = res.get("old_name", "tiny-k3-pydoc")
+    lines.append(f"| old {name} (export) | 128 | {o['w128']['tokens']} | {o['w128']['ppl']:.1f} | {o['w128']['bpb']:.3f} |")
+    lines.append(f"| old {name} (export) | 256 | {o['w256']['tokens']} | {o['w256']['ppl']:.1f} | {o['w256']['bpb']:.3f} |")
     nw = res["new_w128"]
     lines.append(f"| new, export | 128 | {nw['tokens']} | {nw['ppl']:.1f} | {nw['bpb']:.3f} |")
     for k, label in (
@@ -310,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run", default="runs/k3-docs")
     ap.add_argument("--new", default=str(ROOT / "p2pk3" / "assets" / "k3-docs"))
     ap.add_argument("--corpus", default=None)
+    ap.add_argument("--old", default=str(OLD), help="the model the new one replaces (default: tiny-k3-pydoc)")
     ap.add_argument("--bench", action="store_true", help="also the decode-speed comparison through a 4-node ring")
     ap.add_argument("--old-only", action="store_true", help="only the old model's numbers (eval_old.json)")
     ap.add_argument("--threads", type=int, default=1)
@@ -317,10 +317,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(a.threads)
     if a.old_only:
         split = doc_corpus.split_documents(doc_corpus.load_documents(a.corpus))
-        Path(a.run, "eval_old.json").write_text(json.dumps(old_model_eval(split), indent=2, ensure_ascii=False) + "\n")
+        Path(a.run, "eval_old.json").write_text(
+            json.dumps(old_model_eval(split, a.old), indent=2, ensure_ascii=False) + "\n"
+        )
         print(Path(a.run, "eval_old.json").read_text()[:3000])
         return 0
-    compare(a.run, a.new, a.corpus, a.bench)
+    compare(a.run, a.new, a.corpus, a.bench, a.old)
     print((Path(a.run) / "quality.md").read_text())
     return 0
 

@@ -7,6 +7,10 @@ from pathlib import Path
 
 from p2pk3.model.config import K3Config
 
+# The run the shipped model of 2026-12-01 came from (docs/quality.md): what a warm start continues.
+PRIOR_TOKENS = 1_370_112  # phase-1 tokens: 669 steps x 8 x 256
+PRIOR_MINUTES = 76
+
 
 def _q_rows(qs: list[dict]) -> str:
     rows = []
@@ -45,18 +49,46 @@ def write_card(out_dir: str | Path, m: dict) -> None:
         else ""
     )
     chars = {k: v["chars"] / 1e6 for k, v in d.items()}
+    warm = a.get("init_from")
+    prior = PRIOR_TOKENS if warm else 0
+    seen = (tr["tokens_seen_pretrain"] + prior) / 1e6
+    gen = json.loads((out_dir / "generation_config.json").read_text())
+    defaults = (
+        f"temperature {gen.get('temperature')}, top_p {gen.get('top_p')}" if gen.get("do_sample") else "greedy"
+    ) + f", repetition penalty {gen.get('repetition_penalty', 1.0)}"
+    history = (
+        f"trained on 2 CPU cores in two runs: {PRIOR_MINUTES} minutes from scratch, then "
+        f"{tr['minutes']['pretrain'] + tr['minutes']['chat']:.0f} minutes continued from that checkpoint"
+        if warm
+        else f"trained from scratch on 2 CPU cores in {tr['minutes']['pretrain'] + tr['minutes']['chat']:.0f} minutes"
+    )
     card = f"""# k3-docs
 
-A {m["params_m"]:.1f}M-parameter model with **exactly the Kimi K3 architecture** (text tower), trained from
-scratch on 2 CPU cores in {tr["minutes"]["pretrain"] + tr["minutes"]["chat"]:.0f} minutes on the Python 3.11
-documentation and the Linux manual pages, then fine-tuned on question/answer pairs in the K3 chat format.
-It is the embedded default model of p2pk3 ({m["export_bytes"] / 1e6:.1f} MB): every code path of the engine
-(KDA, gated MLA, AttnRes, Stable LatentMoE with MXFP4 experts) and of the chat front ends runs on it.
+A {m["params_m"]:.1f}M-parameter model with **exactly the Kimi K3 architecture** (text tower), {history},
+on the Python 3.11 documentation and the Linux manual pages, then fine-tuned on question/answer pairs,
+multi-turn conversations and tool-call conversations in the K3 chat format. It is the embedded default model
+of p2pk3 ({m["export_bytes"] / 1e6:.1f} MB): every code path of the engine (KDA, gated MLA, AttnRes, Stable
+LatentMoE with MXFP4 experts) and of the chat and agent front ends runs on it.
 
-It is a small demo, far from trained out: it has seen {tr["tokens_seen_pretrain"] / 1e6:.2f}M tokens of text
-(a third of its training split) and the validation loss was still falling. It writes documentation-style
-English and answers in the chat format, but its greedy answers are short, generic and often repetitive
-(see the questions below); do not expect facts.
+It is a small demo, far from trained out: it has seen {seen:.2f}M tokens of text (its training split has
+{m["train_tokens"] / 1e6:.2f}M) and the validation loss was still falling. It writes documentation-style
+English and answers in the chat format, but its answers are often generic or wrong (see the questions
+below); do not expect facts. It calls its two tools in K3's format (below).
+
+## Tools
+
+It was taught two tools, declared the way K3's template declares tools (a `tool_declare` system turn with
+their JSON schemas): `python_doc(name)` and `man_page(name)`. Calls are written in the checkpoint's
+tool-call tokens (`<|tool_calls_section_begin|><|tool_call_begin|>functions.python_doc:0`
+`<|tool_call_argument_begin|>{{"name": "os.path.join"}}<|tool_call_end|><|tool_calls_section_end|>`), results
+come back as `tool` turns, and the final answer restates them. `doc_index.json` is the index both tools answer
+from (p2pk3/agent/doctools.py); `p2pk3 chat --tools docs` runs that loop, and the OpenAI / Anthropic APIs
+return the calls to the client.
+
+## Sampling defaults
+
+`generation_config.json`: {defaults}, chosen by measurement on validation questions (tools/tune_defaults.py;
+the table is in docs/quality.md). Every front end applies them unless a request sets its own.
 
 ## Architecture (K3 layout, shrunk)
 
@@ -84,13 +116,18 @@ CPython's `pydoc_data.topics`, which overlaps the language-reference part of the
 
 ## Training
 
-`python -m tools.train_docs --minutes {a["minutes"]:g} --chat-minutes {a["chat_minutes"]:g} --run runs/k3-docs --export p2pk3/assets/k3-docs`
-(seed {a["seed"]}, resumable with `--resume`). Phase 1: {tr["steps"]["pretrain"]} AdamW steps of {a["batch"]} x {a["seq"]}
+`python -m tools.train_docs --minutes {a["minutes"]:g} --chat-minutes {a["chat_minutes"]:g} --run runs/k3-docs --export p2pk3/assets/k3-docs`{
+        f" --init-from {warm}" if warm else ""}
+(seed {a["seed"]}, resumable with `--resume`){
+        f"; warm-started from the previous export ({prior / 1e6:.2f}M tokens, {PRIOR_MINUTES} min)" if warm else ""
+    }. Phase 1: {tr["steps"]["pretrain"]} AdamW steps of {a["batch"]} x {a["seq"]}
 tokens of text (warmup + cosine, peak lr {a["lr"]:g}, weight decay {a["wd"]:g}), {tr["minutes"]["pretrain"]:.0f} min.
-Phase 2: {tr["steps"]["chat"]} steps on {m["chat_pairs_train"]} question/answer pairs built from the train
-documents (a defined name or heading -> "What does X do?" / "What is X?", its first paragraph -> the answer), rendered
-with the chat template (30% with a system prompt), loss on the answer only, a quarter of each batch plain text,
-{tr["minutes"]["chat"]:.0f} min. Routed experts trained quantization-aware (MXFP4 fake quantization, straight-through
+Phase 2: {tr["steps"]["chat"]} steps of {a.get("chat_batch") or a["batch"]} x {a.get("chat_seq") or a["seq"]} tokens on
+{m["chat_pairs_train"]} question/answer pairs built from the train documents (a defined name or heading -> "What does X
+do?" / "What is X?", its first paragraph -> the answer), the same questions reworded, 2-3 questions on one document as
+one multi-turn conversation, and tool conversations (call the right tool, read its result, restate it; one in six
+calls both tools), rendered with the chat template (30% with a system prompt), loss on the assistant turns only, a
+quarter of each batch plain text, {tr["minutes"]["chat"]:.0f} min. Routed experts trained quantization-aware (MXFP4 fake quantization, straight-through
 gradient); router correction bias set by quantile balancing (no aux loss). {a["threads"]} CPU threads, Python
 {m["python"]}, torch {m["torch"]}. Loss curves: `loss.png` of the run.
 

@@ -52,8 +52,10 @@ from tools.trainlib.evaluate import forward_batch  # noqa: E402
 from tools.trainlib.export import export  # noqa: E402
 from tools.trainlib.model import canonical_state_dict, init_stage, moe_layers, tiny_config  # noqa: E402
 from tools.trainlib.runlog import log  # noqa: E402
+from tools.trainlib.warm_start import export_config, load_export, upgrade_tokenizer  # noqa: E402
 
 TRAIN_CHUNK = 16
+VAL_CHAT_ROWS = 64  # validation answer loss over the first 64 packed rows (a fixed set; ~30 s)
 SYSTEM_PROMPT = "You are a helpful assistant that knows the Python documentation and the Linux manual pages."
 QUESTION_SYSTEM_RATE = 0.3  # fraction of chat examples rendered with the system prompt (the REPL sends none)
 
@@ -69,12 +71,25 @@ def encode_stream(tok, docs: dict[str, str]) -> list[int]:
 def chat_example(tok, question: str, answer: str, system: str | None) -> tuple[list[int], list[int]]:
     """(ids, loss mask over the targets ids[1:]): 1 on the answer and its `<|im_end|>`, 0 on the prompt."""
     msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
-    prompt = tok.apply_chat_template(msgs, add_generation_prompt=True)
-    full = tok.apply_chat_template(msgs + [{"role": "assistant", "content": answer}], add_generation_prompt=False)
-    assert full[: len(prompt)] == prompt, "chat template: the prompt is not a prefix of the rendered conversation"
-    ids = [tok.bos_id] + full + [tok.eos_id]
-    mask = [0] * len(prompt) + [1] * (len(full) - len(prompt)) + [0]  # targets ids[1:]: answer + <|im_end|>
-    return ids, mask
+    return conversation_example(tok, msgs + [{"role": "assistant", "content": answer}])
+
+
+def conversation_example(tok, msgs: list[dict], tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
+    """(ids, loss mask over the targets ids[1:]) of a whole conversation: 1 on every assistant turn (its
+    text, tool calls and `<|im_end|>`), 0 on the rest (system, user, tool results, the role headers)."""
+    render = tok.chat.apply_chat_template  # p2pk3.tokenizer.chat.ChatTokenizer: the checkpoint's template
+    full = render(msgs, add_generation_prompt=False, tools=tools)
+    mask = [0] * len(full)
+    for i, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        prompt = render(msgs[:i], add_generation_prompt=True, tools=tools)
+        upto = render(msgs[: i + 1], add_generation_prompt=False, tools=tools)
+        assert full[: len(upto)] == upto and upto[: len(prompt)] == prompt, (
+            "chat template: a conversation's prefix does not render as a prefix"
+        )
+        mask[len(prompt) : len(upto)] = [1] * (len(upto) - len(prompt))
+    return [tok.bos_id] + full + [tok.eos_id], mask + [0]
 
 
 def pack_rows(
@@ -107,23 +122,51 @@ def chat_set(tok, pairs, seed: int) -> list[tuple[list[int], list[int]]]:
     ]
 
 
+def conversation_set(tok, items, index: dict, seed: int) -> list[tuple[list[int], list[int]]]:
+    """Tool conversations, multi-turn conversations and reworded questions (tools/doc_corpus/agent.py)."""
+    from p2pk3.agent.doctools import DocTools
+    from tools.doc_corpus import agent
+
+    rng = random.Random(seed)
+    convs = agent.tool_conversations(items, DocTools(index), seed) + agent.multi_turn(items, seed)
+    convs += agent.paraphrased(items, seed)
+    out = []
+    for msgs, tools in convs:
+        if rng.random() < QUESTION_SYSTEM_RATE:
+            msgs = [{"role": "system", "content": SYSTEM_PROMPT}] + msgs
+        out.append(conversation_example(tok, msgs, tools))
+    return out
+
+
 class Data:
     """Every split's token streams and chat rows, built once per run (and rebuilt identically on resume)."""
 
-    def __init__(self, run: Path, vocab: int, T: int, corpus: str | None):
+    def __init__(self, run: Path, vocab: int, T: int, corpus: str | None, chat_T: int, init_from: str | None):
         from p2pk3.tokenizer import load_tokenizer
         from p2pk3.tokenizer.bpe import save_hf, train_bpe
+        from tools.doc_corpus import agent
+        from tools.doc_corpus.qa import _qa_items
 
         docs = doc_corpus.load_documents(corpus)
         self.split = doc_corpus.split_documents(docs)
         tok_dir = run / "tokenizer"
+        if init_from and not (tok_dir / "tokenizer.json").exists():
+            upgrade_tokenizer(init_from, tok_dir)  # the checkpoint's ids, today's special names and template
         if not (tok_dir / "tokenizer.json").exists():
             save_hf(train_bpe(list(self.split["train"].values()), vocab), tok_dir)
         self.tok_dir = tok_dir
         self.tok = tok = load_tokenizer(tok_dir)
         self.ids = {k: encode_stream(tok, v) for k, v in self.split.items()}
         self.pairs = {k: doc_corpus.qa_pairs(v) for k, v in self.split.items()}
-        self.chat = {k: pack_rows(chat_set(tok, self.pairs[k], 1), T, tok.pad_id, 2) for k in ("train", "val")}
+        items = {k: _qa_items(v) for k, v in self.split.items()}
+        self.index = agent.doc_index([it for k in ("train", "val", "heldout") for it in items[k]])
+        (run / "doc_index.json").write_text(json.dumps(self.index, ensure_ascii=False))  # shipped by export
+        self.chat = {
+            k: pack_rows(
+                chat_set(tok, self.pairs[k], 1) + conversation_set(tok, items[k], self.index, 3), chat_T, tok.pad_id, 2
+            )
+            for k in ("train", "val")
+        }
         self.chars = {k: sum(len(t) for t in v.values()) for k, v in self.split.items()}
         if len(self.chat["train"][0]) == 0:
             raise SystemExit(f"no chat example fits in --seq {T} tokens: raise --seq")
@@ -194,7 +237,8 @@ def train(a) -> int:
     torch.set_num_threads(a.threads)
     B, T = a.batch, a.seq
     t0 = time.time()
-    data = Data(run, a.vocab, T, a.corpus)
+    CB, CT = a.chat_batch or B, a.chat_seq or T
+    data = Data(run, a.vocab, T, a.corpus, CT, a.init_from)
     tok = data.tok
     log(
         f"data ({time.time() - t0:.0f} s): documents "
@@ -209,21 +253,27 @@ def train(a) -> int:
         fh,
     )
 
-    cfg = tiny_config(
-        tok.vocab_size,
-        tok.bos_id,
-        tok.im_end_id,
-        tok.pad_id,
-        hidden=a.hidden,
-        layers=a.layers,
-        kda_heads=a.kda_heads,
-        kda_dim=a.kda_dim,
-        experts=a.experts,
-        topk=a.topk,
-        moe_inter=a.moe_inter,
-    )
+    if a.init_from:  # warm start: the checkpoint's architecture and weights (tools/trainlib/warm_start.py)
+        cfg = export_config(a.init_from)
+    else:
+        cfg = tiny_config(
+            tok.vocab_size,
+            tok.bos_id,
+            tok.im_end_id,
+            tok.pad_id,
+            hidden=a.hidden,
+            layers=a.layers,
+            kda_heads=a.kda_heads,
+            kda_dim=a.kda_dim,
+            experts=a.experts,
+            topk=a.topk,
+            moe_inter=a.moe_inter,
+        )
     stage = K3Stage(cfg, StagePlan.whole(cfg))
     init_stage(stage, a.seed)
+    if a.init_from and ck is None:
+        n = load_export(stage, a.init_from)
+        log(f"warm start from {a.init_from}: {n} tensors", fh)
     stage.train()
     decay = [p for n, p in stage.named_parameters() if p.requires_grad and p.dim() >= 2 and "embed" not in n]
     no_decay = [p for n, p in stage.named_parameters() if p.requires_grad and not (p.dim() >= 2 and "embed" not in n)]
@@ -263,12 +313,13 @@ def train(a) -> int:
     vrow, vmask = data.chat["val"]
 
     def batch(phase: str) -> tuple[torch.Tensor, torch.Tensor]:
-        n_text = B if phase == "pretrain" else B // 4
-        starts = torch.randint(0, len(text) - T - 1, (n_text,), generator=gen)
-        xs = [text[s : s + T + 1] for s in starts.tolist()]
-        ms = [torch.ones(T)] * n_text
-        if n_text < B:
-            pick = torch.randint(0, len(crow), (B - n_text,), generator=gen)
+        rows, T_ = (B, T) if phase == "pretrain" else (CB, CT)
+        n_text = rows if phase == "pretrain" else max(1, rows // 4)
+        starts = torch.randint(0, len(text) - T_ - 1, (n_text,), generator=gen)
+        xs = [text[s : s + T_ + 1] for s in starts.tolist()]
+        ms = [torch.ones(T_)] * n_text
+        if n_text < rows:
+            pick = torch.randint(0, len(crow), (rows - n_text,), generator=gen)
             xs += [crow[i] for i in pick.tolist()]
             ms += [cmask[i] for i in pick.tolist()]
         return torch.stack(xs), torch.stack(ms)
@@ -337,7 +388,7 @@ def train(a) -> int:
                     h["val_loss"].append(vt)
                     log(f"[{phase}] step {step:5d}  val loss {vt:.4f} (ppl {math.exp(vt):.1f})", fh)
                 else:
-                    va = masked_nll(stage, vrow, vmask)
+                    va = masked_nll(stage, vrow[:VAL_CHAT_ROWS], vmask[:VAL_CHAT_ROWS])
                     h["val_loss"].append(va)
                     h["val_text"].append(vt)
                     log(f"[{phase}] step {step:5d}  val answer loss {va:.4f}  val text loss {vt:.4f}", fh)
@@ -455,6 +506,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--moe-inter", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--chat-batch", type=int, default=None, help="rows per chat-phase batch (default --batch)")
+    ap.add_argument("--chat-seq", type=int, default=None, help="tokens per chat-phase row (default --seq)")
+    ap.add_argument(
+        "--init-from", default=None, help="warm start from this checkpoint (e.g. p2pk3/assets/k3-docs): weights, tokenizer"
+    )
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--chat-lr", type=float, default=1e-3)
     ap.add_argument("--wd", type=float, default=0.1)

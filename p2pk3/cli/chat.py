@@ -54,8 +54,26 @@ def read_secret_file(path: str, param: str = "--secret-file") -> bytes:
     help="readline history file",
 )
 @click.option("--no-history", is_flag=True, help="keep no history file")
+@click.option(
+    "--tools",
+    "tool_set",
+    type=click.Choice(["docs"]),
+    default=None,
+    help="let the model call tools the REPL runs: docs = python_doc(name) and man_page(name), answered from "
+    "the documentation index shipped with the model (doc_index.json)",
+)
 def chat(
-    topology_path, state_file, address, secret_file, local_nodes, model, system, history_file, no_history, sampling
+    topology_path,
+    state_file,
+    address,
+    secret_file,
+    local_nodes,
+    model,
+    system,
+    history_file,
+    no_history,
+    tool_set,
+    sampling,
 ):
     """Chat with the cluster: answers stream as they are generated; /help lists the commands. With
     --topology the entry is found in the topology, and its secret and model are used.
@@ -66,6 +84,7 @@ def chat(
       p2pk3 chat --connect 10.0.0.1:47920 --secret-file cluster.key
       p2pk3 chat --local 2
       printf 'What is a tuple?\\n' | p2pk3 chat --local 2      # scripted: one message per line
+      p2pk3 chat --local 2 --tools docs                      # the model may look things up
     """
     from dataclasses import replace
 
@@ -99,6 +118,15 @@ def chat(
         topo = Topology.load(topology_path)
     mdir = model_dir(model) if (model or not topo) else topology_model_dir(topo)
     prompts = PromptBuilder.from_pretrained(mdir)
+    tools = None
+    if tool_set == "docs":
+        from p2pk3.agent.doctools import DocTools
+        from p2pk3.frontends.tool_use import ToolUse
+
+        try:
+            tools = ToolUse(prompts, DocTools.load(mdir))
+        except (OSError, ValueError) as e:
+            raise click.BadParameter(str(e), param_hint="--tools") from None
     if sampling.max_tokens == 0:
         sampling = replace(sampling, max_tokens=1)  # an answer has a token at least
     history = None if no_history else history_file
@@ -121,7 +149,9 @@ def chat(
         secret = topo.secret()
         factory = lambda: Client.for_topology(topo, secret)  # noqa: E731
     try:
-        run_chat(factory, prompts, sampling, system=system, history_file=history, banner=banner(mdir.name))
+        run_chat(
+            factory, prompts, sampling, system=system, history_file=history, banner=banner(mdir.name), tools=tools
+        )
     except ConnectionError as e:  # nobody answers: said in one line, not a bug
         raise UserError(str(e)) from None
     finally:

@@ -18,6 +18,10 @@ answer is printed on its own line, footers go to stderr, so it can be scripted:
     printf 'What is a list?\\n/quit\\n' | p2pk3 chat --topology ring.toml
 
 Slash commands: /reset, /system TEXT (no TEXT: no system prompt), /temp X, /max N, /stats, /help, /quit.
+
+With `tools` (a frontends/tool_use.py ToolUse, `p2pk3 chat --tools docs`) every prompt declares them; when
+the model calls one, the call and the start of its result are shown in one bracketed line (on stderr when
+scripted), the result goes back to the model, and its next generation is shown, until it answers in text.
 """
 
 from __future__ import annotations
@@ -226,11 +230,14 @@ class Chat:
         out: TextIO,
         err: TextIO,
         interactive: bool,
+        tools=None,
     ):
         self.factory, self.prompts = client_factory, prompts
         self.conv = Conversation(sampling, system)
         self.out, self.err, self.interactive = out, err, interactive
         self.client = None
+        self.tools = tools  # a frontends.tool_use.ToolUse, or None
+        self.turn: list[dict] = []  # this turn's tool calls and results (before the final answer)
 
     def say(self, text: str, *, err: bool = False) -> None:
         stream = self.err if err else self.out
@@ -254,30 +261,56 @@ class Chat:
             return None
 
     async def answer(self, user: str, got: list[int]) -> dict:
-        """Stream one answer; the tokens land in `got` as they arrive (kept when cancelled)."""
+        """Stream one answer; the tokens land in `got` as they arrive (kept when cancelled). With tools, a
+        generation that calls them is followed by their results and another generation (at most
+        `max_rounds` times); `got` then holds the last generation's tokens, `self.turn` the calls."""
         await self.connect()
-        p = self.prompts.chat(self.conv.prompt(user), self.conv.sampling)
-        self.conv.last_params = p.params
+        self.turn = []
+        use = self.tools
+        for rnd in range((use.max_rounds if use else 0) + 1):
+            p = self.prompts.chat(self.conv.prompt(user) + self.turn, self.conv.sampling, use and use.schemas)
+            self.conv.last_params = p.params
+            got.clear()
+            reader = use.reader() if use else None
+            stats, shown = await self._stream(p, got, reader)
+            if reader is None or not reader.calls or rnd == use.max_rounds:
+                return stats
+            msgs = use.run(reader.calls, shown.strip())
+            self.turn += msgs
+            if shown.strip():
+                self.out.write("\n")
+            for call, res in zip(reader.calls, msgs[1:]):
+                self.say(use.describe(call, res["content"]), err=not self.interactive)
+        raise AssertionError("unreachable")
+
+    async def _stream(self, p, got: list[int], reader) -> tuple[dict, str]:
+        """One generation, shown as it streams: (its stats, the text shown). `reader`: a ToolReader that
+        hides tool-call markup, or None (special tokens and stop ids are not shown)."""
         dec = self.prompts.tok.stream_decoder()
         stops = set(p.params.stop_ids)
+        shown: list[str] = []
 
         def on_token(t: int) -> None:
             got.append(t)
-            if t not in stops:
-                self.out.write(dec.push(t))
-                self.out.flush()
+            text = reader.feed(t) if reader else (dec.push(t) if t not in stops else "")
+            shown.append(text)
+            self.out.write(text)
+            self.out.flush()
 
         try:
             reply = await self.client.generate(p.ids, p.params, on_token=on_token)
         finally:
-            self.out.write(dec.flush())
+            rest = reader.finish() if reader else dec.flush()
+            shown.append(rest)
+            self.out.write(rest)
             self.out.flush()
-        return reply.stats
+        return reply.stats, "".join(shown)
 
     def finish(self, user: str, got: list[int], stats: dict | None) -> None:
         p = self.conv.last_params
         text = self.prompts.answer_text(got, p.stop_ids if p is not None else None)
-        self.conv.messages += [{"role": "user", "content": user}, {"role": "assistant", "content": text.strip()}]
+        self.conv.messages += [{"role": "user", "content": user}, *self.turn, {"role": "assistant", "content": text.strip()}]
+        self.turn = []
         self.conv.answers += 1
         self.conv.generated += len(got)
         self.out.write("\n")
@@ -302,6 +335,7 @@ def run_chat(
     interactive: bool | None = None,
     history_file: str | Path | None = "~/.p2pk3_chat_history",
     banner: str | None = None,
+    tools=None,
 ) -> int:
     """Run the REPL until /quit or the end of input; returns 0. ConnectionError when the cluster cannot be
     reached at the start (later losses are reported and the next message reconnects). Must run in the main
@@ -321,6 +355,7 @@ def run_chat(
         out=out,
         err=err,
         interactive=interactive,
+        tools=tools,
     )
     reader = LineReader(stdin, out, interactive, history_file if interactive else None)
     try:

@@ -9,7 +9,9 @@ Formats (both readable by `p2pk3.tokenizer.load_tokenizer`):
 Id layout (mirrors Kimi, where the BPE ranks are 0..163583 and 256 special slots follow at
 163584..163839): BPE tokens take ids 0..n_base-1, then `NUM_SPECIAL` special slots. The named specials
 sit at the same offsets from n_base as in Kimi K2's tokenizer_config (`[BOS]` +0, `[EOS]` +1,
-`<|im_end|>` +2, `<|im_user|>` +3, `<|im_assistant|>` +4, `<|im_system|>` +10, `<|im_middle|>` +17);
+`<|im_end|>` +2, `<|im_user|>` +3, `<|im_assistant|>` +4, `<|im_system|>` +10, the five tool-call markers
+`<|tool_calls_section_begin|>` `<|tool_calls_section_end|>` `<|tool_call_begin|>` `<|tool_call_argument_begin|>`
+`<|tool_call_end|>` +11..+15, `<|im_middle|>` +17, `<think>` `</think>` +22, +23);
 `[UNK]` and `[PAD]` take the last two slots (Kimi: 163838, 163839); every other slot is
 `<|reserved_token_{i}|>` (Kimi's naming for unlisted slots). Kimi reserves 256 slots; we reserve 32 to
 keep the embedding small.
@@ -56,7 +58,14 @@ SPECIAL_OFFSETS: dict[str, int] = {
     "<|im_user|>": 3,
     "<|im_assistant|>": 4,
     "<|im_system|>": 10,
+    "<|tool_calls_section_begin|>": 11,
+    "<|tool_calls_section_end|>": 12,
+    "<|tool_call_begin|>": 13,
+    "<|tool_call_argument_begin|>": 14,
+    "<|tool_call_end|>": 15,
     "<|im_middle|>": 17,
+    "<think>": 22,
+    "</think>": 23,
     "[UNK]": NUM_SPECIAL - 2,
     "[PAD]": NUM_SPECIAL - 1,
 }
@@ -65,16 +74,31 @@ ROLE_TOKENS = {"system": "<|im_system|>", "user": "<|im_user|>", "assistant": "<
 IM_MIDDLE = "<|im_middle|>"
 
 # Jinja chat template stored in tokenizer_config.json (HF `apply_chat_template` compatible; rendered by
-# p2pk3.tokenizer.chat, also for a checkpoint that has no template of its own). Unlike Kimi's shipped template there is no
-# default system prompt: a system turn appears only when the messages carry one. A message may carry a
-# `name` that replaces the role name after the role token (as in Kimi's template).
+# p2pk3.tokenizer.chat, also for a checkpoint that has no template of its own). It writes what Kimi K2 / K3's
+# published template writes: the request's tools as a `tool_declare` system turn (JSON), past assistant tool
+# calls as a section of `<|tool_call_begin|>ID<|tool_call_argument_begin|>ARGS<|tool_call_end|>` (ID is
+# `functions.NAME:IDX`), a tool result as a `tool` system turn headed `## Return of ID`, and past reasoning
+# between `<think>` `</think>`. Unlike Kimi's shipped template there is no default system prompt, and the
+# generation prompt opens no thinking section. A message may carry a `name` that replaces the role name after
+# the role token (as in Kimi's template).
 CHAT_TEMPLATE = (
+    "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>{%- endif -%}"
     "{%- for message in messages -%}"
-    "{%- if message['role'] == 'system' -%}<|im_system|>"
-    "{%- elif message['role'] == 'user' -%}<|im_user|>"
-    "{%- else -%}<|im_assistant|>"
+    "{%- if message['role'] == 'system' -%}<|im_system|>{{ message.get('name') or 'system' }}<|im_middle|>"
+    "{{ message['content'] }}<|im_end|>"
+    "{%- elif message['role'] == 'tool' -%}<|im_system|>tool<|im_middle|>## Return of "
+    "{{ message.get('tool_call_id') }}\n{{ message['content'] }}<|im_end|>"
+    "{%- elif message['role'] == 'user' -%}<|im_user|>{{ message.get('name') or 'user' }}<|im_middle|>"
+    "{{ message['content'] }}<|im_end|>"
+    "{%- else -%}<|im_assistant|>{{ message.get('name') or message['role'] }}<|im_middle|>"
+    "{%- if message.get('reasoning_content') -%}<think>{{ message['reasoning_content'] }}</think>{%- endif -%}"
+    "{{ message.get('content') or '' }}"
+    "{%- if message.get('tool_calls') -%}<|tool_calls_section_begin|>"
+    "{%- for tc in message['tool_calls'] -%}<|tool_call_begin|>{{ tc['id'] }}<|tool_call_argument_begin|>"
+    "{%- if tc['function']['arguments'] is string -%}{{ tc['function']['arguments'] }}"
+    "{%- else -%}{{ tc['function']['arguments'] | tojson }}{%- endif -%}<|tool_call_end|>"
+    "{%- endfor -%}<|tool_calls_section_end|>{%- endif -%}<|im_end|>"
     "{%- endif -%}"
-    "{{ message.get('name') or message['role'] }}<|im_middle|>{{ message['content'] }}<|im_end|>"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
 )

@@ -168,9 +168,9 @@ def qa_pairs(docs: dict[str, str]) -> list[tuple[str, str, str]]:
     return [(q, a, name) for _, q, a, name in _qa_items(docs)]
 
 
-def fixed_questions(docs: dict[str, str], split: str) -> list[tuple[str, str, str]]:
-    """10 deterministic (question, reference answer, document) of `split`'s documents: Python and man-page questions
-    taken in turn, well-known names first, at most one per document."""
+def fixed_questions(docs: dict[str, str], split: str, n: int = 10) -> list[tuple[str, str, str]]:
+    """`n` deterministic (question, reference answer, document) of `split`'s documents: Python and man-page questions
+    taken in turn, well-known names first, one per document before a document's second."""
     items = _qa_items({k: v for k, v in docs.items() if split_of(k) == split})
 
     def rank(it):
@@ -195,4 +195,4 @@ def fixed_questions(docs: dict[str, str], split: str) -> list[tuple[str, str, st
     firsts = [it for pair in zip_longest(best_per_doc("py/"), best_per_doc("man/")) for it in pair if it]
     chosen = set(firsts)
     ranked = firsts + [it for it in sorted(items, key=rank) if it not in chosen]  # then the other questions
-    return [(q, a, name) for _, q, a, name in ranked[:10]]
+    return [(q, a, name) for _, q, a, name in ranked[:n]]

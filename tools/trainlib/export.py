@@ -25,6 +25,8 @@ def export(
     write_checkpoint(out, cfg, seed=0, shards=2, state_dict=sd)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tok_dir / f, out / f)
+    if (tok_dir.parent / "doc_index.json").exists():  # the tools of `p2pk3 chat --tools docs`
+        shutil.copy(tok_dir.parent / "doc_index.json", out / "doc_index.json")
     tc = json.loads((tok_dir / "tokenizer_config.json").read_text())
     gen = {
         "bos_token_id": tc["bos_token_id"],
