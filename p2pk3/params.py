@@ -148,7 +148,8 @@ class SamplingParams:
     @property
     def needs_prompt_ids(self) -> bool:
         """The last stage's sampler reads the prompt's ids, not only the output's (the repetition penalty counts
-        them, prompt logprobs score them): such a session starts at position 0, never at a cached prefix."""
+        them, prompt logprobs score them). Started at a cached prefix, such a session's first segment carries
+        the ids below it (`Segment.history`); prompt logprobs start at position 0 (their rows are computed)."""
         return self.repetition_penalty != 1 or self.prompt_logprobs is not None
 
     @property

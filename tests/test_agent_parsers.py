@@ -97,11 +97,21 @@ def test_discovery_by_role_and_template():
     )
 
 
-def test_embedded_model_has_neither():
+def test_embedded_model_writes_kimis_tool_calls_and_the_older_one_neither():
     tok = ChatTokenizer.from_pretrained(MODEL)
     source = tok.templates[tok.template_for()[0]][0]
-    tf = discover_tool_format(tok.special, source)
-    rf = discover_reasoning_format(tok.special, source)
+    assert discover_tool_format(tok.special, source) == ToolCallFormat(
+        "<|tool_call_begin|>",
+        "<|tool_call_argument_begin|>",
+        "<|tool_call_end|>",
+        "<|tool_calls_section_begin|>",
+        "<|tool_calls_section_end|>",
+    )
+    assert discover_reasoning_format(tok.special, source) == ReasoningFormat("<think>", "</think>")
+    old = ChatTokenizer.from_pretrained(MODEL.parent / "tiny-k3-pydoc")
+    source = old.templates[old.template_for()[0]][0]
+    tf = discover_tool_format(old.special, source)
+    rf = discover_reasoning_format(old.special, source)
     assert isinstance(tf, NoToolFormat) and "this checkpoint has no tool-call tokens" in tf.reason
     assert isinstance(rf, NoReasoningFormat) and "no thinking tokens" in rf.reason
     text = "plain <|tool_call_begin|> text <think>x</think>"

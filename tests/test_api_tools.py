@@ -265,7 +265,7 @@ def test_agent_fields_are_checked_naming_them(tok):
         assert status == 400 and body["error"]["param"] == field, (field, body)
 
     # a checkpoint without tool-call tokens cannot enforce a tool choice: 400 naming it, with the reason
-    plain = ChatTokenizer.from_pretrained(default_model_dir())
+    plain = ChatTokenizer.from_pretrained(default_model_dir().parent / "tiny-k3-pydoc")  # the older demo model
 
     async def forced(url):
         async with aiohttp.ClientSession() as s:

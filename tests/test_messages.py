@@ -166,9 +166,16 @@ def test_prefix_cache_fields_and_frames():
         ({"prefix": "x" * 65}, "prefix must be a block key"),
         ({"blocks": ["a"] * 9}, "at most n_tokens block keys"),
         ({"snap": 3}, "snap must be a block key"),
+        ({"history": [1] * 64}, "history holds the 64 ids below start_pos .* carries its ids"),  # no ids
+        ({"history": [1] * 63, "ids": [1] * 8}, "history holds the 64 ids"),
+        ({"history": [-1] * 64, "ids": [1] * 8}, "history must be a list of non-negative token ids"),
     ):
         with pytest.raises(ProtocolError, match=msg):
             M.Segment.from_wire({**seg.to_wire(), **bad})
+    hist = M.Segment("a", 1, 4, 2, ids=(5, 6, 7), output_from=6, prefix="k" * 32, history=(1, 2, 3, 4))
+    assert M.Segment.from_wire(hist.to_wire()) == hist
+    with pytest.raises(ProtocolError, match="history holds"):  # only a segment that starts at a cached prefix
+        M.Segment.from_wire({**hist.to_wire(), "prefix": None})
     r = M.PrefixReport("s1", "node-a", [("k1", 64), ("k2", 70)], ["k0"], reset=True)
     assert M.parse_prefix_report(_roundtrip(M.prefix_report_frame(r))) == r
     with pytest.raises(ProtocolError, match=r"\[key, position > 0\]"):

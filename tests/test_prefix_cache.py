@@ -267,13 +267,18 @@ def test_ring_greedy_tokens_with_the_cache_equal_the_reference_and_report_cached
     assert st["hit_tokens"] > 0
 
 
-def test_sessions_with_output_penalties_hit_and_those_that_read_the_prompt_start_at_zero(ckpt, reference):
+def test_sessions_with_penalties_hit_the_cache_and_sample_as_one_process(ckpt, reference):
     """Frequency / presence penalties read only the output: such a session starts at a cached prefix (its
-    last-stage sampler holds the positions below as unknown); the repetition penalty counts the prompt's ids,
-    so that session starts at 0. Both give the single-process tokens."""
+    last-stage sampler holds the positions below as unknown). The repetition penalty counts the prompt's ids:
+    that session starts at the cached prefix too, its first segment carrying the ids below it
+    (Segment.history). Both give the single-process tokens, which the penalties changed."""
     system, turns = prompts(7)
     out_pen = SamplingParams(max_tokens=8, frequency_penalty=-2.0, presence_penalty=-2.0)  # repeat yourself
     rep_pen = SamplingParams(max_tokens=8, repetition_penalty=1.8)
+    # seed 8: the plain answer repeats an id of the cached part (checked below), so a sampler that did not
+    # count the cached ids could not avoid every prompt id under a huge penalty
+    _, turns8 = prompts(8)
+    huge = SamplingParams(max_tokens=8, repetition_penalty=1e4)
 
     async def main():
         topo = loopback_topology(ckpt, 3)
@@ -283,16 +288,23 @@ def test_sessions_with_output_penalties_hit_and_those_that_read_the_prompt_start
                 first = await c.generate(turns[0], SamplingParams(max_tokens=2))  # fills the caches
                 a = await c.generate(turns[1], out_pen)
                 b = await c.generate(turns[2], rep_pen)
-                return first, a, b
+                await c.generate(turns8[0], SamplingParams(max_tokens=2))
+                h = await c.generate(turns8[2], huge)
+                return first, a, b, h
             finally:
                 c.close()
 
-    first, a, b = run(main())
+    first, a, b, h = run(main())
     assert first.stats["cached_tokens"] == 0
-    assert a.stats["cached_tokens"] > 0 and b.stats["cached_tokens"] == 0, (a.stats, b.stats)
+    assert a.stats["cached_tokens"] > 0 and b.stats["cached_tokens"] > 0, (a.stats, b.stats)
     assert a.tokens == reference.generate([turns[1]], out_pen)[0]
     assert b.tokens == reference.generate([turns[2]], rep_pen)[0]
     assert a.tokens != reference.generate([turns[1]], SamplingParams(max_tokens=8))[0]  # the penalties acted
+    assert b.tokens != reference.generate([turns[2]], SamplingParams(max_tokens=8))[0]
+    n = h.stats["cached_tokens"]
+    plain8 = reference.generate([turns8[2]], SamplingParams(max_tokens=8))[0]
+    assert n > 0 and set(plain8) & set(turns8[2][:n]), (n, plain8)  # the precondition
+    assert h.tokens == reference.generate([turns8[2]], huge)[0] and not set(h.tokens) & set(turns8[2])
 
 
 @pytest.mark.slow

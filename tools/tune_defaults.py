@@ -5,10 +5,12 @@
 
 1. Choice. Each candidate (temperature, top_p, repetition_penalty) answers the 20 *validation* questions
    (`doc_corpus.fixed_questions(split, "val", 20)`; sampled candidates with seeds 0..SEEDS-1). Per candidate:
-   the answers that loop and the mean word-overlap score (tools/eval_demo.py `overlap_score`). The choice is
-   the candidate with the fewest looping answers, then the highest score; a greedy candidate wins ties (the
-   same answer every time). Validation documents were never trained on, and the held-out ones below are not
-   looked at while choosing.
+   the answers that loop and the mean word-overlap score (tools/eval_demo.py `overlap_score`). The choice:
+   the fewest looping answers; among those, the candidates within `SCORE_TIE` of the best score count as
+   equal, and of them one without a repetition penalty wins (a penalty counts the prompt's ids, so a session
+   sampled with it cannot start at a cached prefix: `SamplingParams.needs_prompt_ids`), then a greedy one
+   (the same answer every time), then the higher score. Validation documents were never trained on, and the
+   held-out ones below are not looked at while choosing.
 2. `--write`: the model's generation_config.json gets the choice (`do_sample`, `temperature`, `top_p`,
    `repetition_penalty`; every front end applies them through p2pk3/frontends/prompt.py).
 3. Figures with the chosen defaults, through the front ends' prompt path (`PromptBuilder`): the 20 held-out
@@ -38,6 +40,7 @@ from tools.eval_demo import overlap_score  # noqa: E402
 
 SEEDS = 2
 MAX_NEW = 128
+SCORE_TIE = 0.02
 CANDIDATES = [  # (temperature, top_p, repetition_penalty)
     (0.0, 1.0, 1.0),
     (0.0, 1.0, 1.1),
@@ -179,7 +182,10 @@ def choose(model: Answerer, val_qs) -> tuple[tuple, list[dict]]:
             f"  T={temp} top_p={top_p} rep={rep}: loops {table[-1]['loops']:.1f}/20 score {table[-1]['score']:.3f}",
             flush=True,
         )
-    best = min(table, key=lambda r: (r["loops"], -round(r["score"], 3), r["temperature"]))
+    fewest = min(r["loops"] for r in table)
+    top = max(r["score"] for r in table if r["loops"] == fewest)
+    tied = [r for r in table if r["loops"] == fewest and r["score"] >= top - SCORE_TIE]
+    best = min(tied, key=lambda r: (r["repetition_penalty"] != 1.0, r["temperature"] > 0, -r["score"]))
     return (best["temperature"], best["top_p"], best["repetition_penalty"]), table
 
 

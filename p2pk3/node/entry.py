@@ -421,6 +421,9 @@ class Entry:
                 last = s.sent + n == len(s.tokens)
                 sample = s.seg_params if last and not s.want_logits else None
                 known = s.ids_at(s.sent, n, True)
+                history = (  # the cached prefix's ids, for a sampler that counts the prompt (Segment.history)
+                    tuple(s.tokens[: s.sent]) if "prefix" in keys and s.params.needs_prompt_ids else ()
+                )
                 segs.append(
                     Segment(
                         s.id,
@@ -433,6 +436,7 @@ class Entry:
                         known,
                         s.output_from,
                         s.scores_prompt(s.sent, n) if known else None,
+                        history=history,
                         **keys,
                     )
                 )

@@ -135,10 +135,10 @@ class PrefixMatcher:
 
     def restart(self, s) -> None:
         """Start (again) at the longest point every slot holds. None for scoring (every position's logits) and
-        for a session whose last-stage sampler reads the prompt's ids (`SamplingParams.needs_prompt_ids`: the
-        repetition penalty, prompt logprobs); a grammar and the frequency / presence penalties read only the
-        output and start at a cached prefix like any other session."""
-        skip = s.want_logits or s.params.needs_prompt_ids
+        for prompt logprobs (the prompt's rows must be computed); a grammar and the frequency / presence
+        penalties read only the output, and the repetition penalty's prompt ids travel in the first segment
+        (`Segment.history`), so those sessions start at a cached prefix like any other."""
+        skip = s.want_logits or s.params.prompt_logprobs is not None
         pos, key = (0, None) if skip else self.match(s.tokens[: s.prompt_len], s.chain)
         s.sent, s.cached, s.prefix = pos, pos, key
 

@@ -344,8 +344,10 @@ class StageRunner:
         if not s.ids:
             return self.samplers.get(sid)
         smp = self.samplers.get(sid)
-        if smp is None or s.start_pos == 0:
+        if smp is None or s.start_pos == 0 or s.history:
             smp = self.samplers[sid] = SessionSampler()
+        if s.history:  # a session started at a cached prefix whose sampler counts the prompt's ids
+            smp.feed(0, s.history, s.output_from)
         smp.feed(s.start_pos, s.ids, s.output_from)
         if s.sample is not None and smp.params is None:
             smp.configure(s.sample, self._grammar_tokenizer() if s.sample.grammar is not None else None)

@@ -37,7 +37,11 @@ class Segment:
     are in `draft`) and, for a prefill chunk with more history after it, the next position's id (so the
     chunk's last row can be scored); and `output_from`: the first position of the output (generated
     tokens; the prompt is below it; after a replay the output so far is prefilled again). `prompt_logprobs`
-    (N, 0..20): return the logprobs of the prompt tokens this segment's rows predict, with the top N."""
+    (N, 0..20): return the logprobs of the prompt tokens this segment's rows predict, with the top N.
+    `history`: the ids of positions 0 .. start_pos - 1, on the first segment of a session that starts at a
+    cached prefix (`prefix`) and whose sampler counts the prompt's ids (the repetition penalty,
+    `SamplingParams.needs_prompt_ids`): the stages compute nothing for them, the last stage's sampler reads
+    them."""
 
     session: str | int
     epoch: int
@@ -52,6 +56,7 @@ class Segment:
     prefix: str | None = None
     blocks: tuple[str, ...] = ()
     snap: str | None = None
+    history: tuple[int, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -77,6 +82,8 @@ class Segment:
             d["blocks"] = list(self.blocks)
         if self.snap is not None:
             d["snap"] = self.snap
+        if self.history:
+            d["history"] = [int(t) for t in self.history]
         return d
 
     @classmethod
@@ -122,6 +129,14 @@ class Segment:
             raise ProtocolError(f"{where}: prompt_logprobs must be an integer in 0..{MAX_LOGPROBS}, got {plp!r}")
         if plp is not None and not ids:
             raise ProtocolError(f"{where}: prompt_logprobs needs the segment's ids")
+        history = d.get("history", [])
+        if not isinstance(history, list) or not all(is_int(t) and t >= 0 for t in history):
+            raise ProtocolError(f"{where}: history must be a list of non-negative token ids")
+        if history and (len(history) != d["start_pos"] or prefix is None or not ids):
+            raise ProtocolError(
+                f"{where}: history holds the {d['start_pos']} ids below start_pos of a segment that starts at a "
+                f"cached prefix and carries its ids (got {len(history)} ids, prefix {prefix!r:.40}, {len(ids)} ids)"
+            )
         return cls(
             d["session"],
             d["epoch"],
@@ -136,6 +151,7 @@ class Segment:
             prefix=prefix,
             blocks=tuple(blocks),
             snap=snap,
+            history=tuple(history),
         )
 
 
