@@ -7,9 +7,8 @@
    (`doc_corpus.fixed_questions(split, "val", 20)`; sampled candidates with seeds 0..SEEDS-1). Per candidate:
    the answers that loop and the mean word-overlap score (tools/eval_demo.py `overlap_score`). The choice:
    the fewest looping answers; among those, the candidates within `SCORE_TIE` of the best score count as
-   equal, and of them one without a repetition penalty wins (a penalty counts the prompt's ids, so a session
-   sampled with it cannot start at a cached prefix: `SamplingParams.needs_prompt_ids`), then a greedy one
-   (the same answer every time), then the higher score. Validation documents were never trained on, and the
+   equal, and of them a greedy one wins (the same answer every time), then the weaker penalty, then the
+   higher score. Validation documents were never trained on, and the
    held-out ones below are not looked at while choosing.
 2. `--write`: the model's generation_config.json gets the choice (`do_sample`, `temperature`, `top_p`,
    `repetition_penalty`; every front end applies them through p2pk3/frontends/prompt.py).
@@ -185,7 +184,7 @@ def choose(model: Answerer, val_qs) -> tuple[tuple, list[dict]]:
     fewest = min(r["loops"] for r in table)
     top = max(r["score"] for r in table if r["loops"] == fewest)
     tied = [r for r in table if r["loops"] == fewest and r["score"] >= top - SCORE_TIE]
-    best = min(tied, key=lambda r: (r["repetition_penalty"] != 1.0, r["temperature"] > 0, -r["score"]))
+    best = min(tied, key=lambda r: (r["temperature"] > 0, r["repetition_penalty"], -r["score"]))
     return (best["temperature"], best["top_p"], best["repetition_penalty"]), table
 
 
