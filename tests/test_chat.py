@@ -35,11 +35,16 @@ def tok():
 
 
 def greedy_answer(ring, tok, messages, max_tokens):
+    """The answer the chat should print: greedy with the checkpoint's own repetition penalty (its
+    generation_config default, which the chat applies too)."""
+    rep = tok.generation_defaults.repetition_penalty
+
     async def go():
         c = await ring.client()
         try:
             ids = tok.apply_chat_template(messages, add_generation_prompt=True)
-            return await c.generate(ids, SamplingParams(max_tokens=max_tokens, stop_ids=tok.stop_ids))
+            params = SamplingParams(max_tokens=max_tokens, stop_ids=tok.stop_ids, repetition_penalty=rep)
+            return await c.generate(ids, params)
         finally:
             c.close()
 

@@ -365,7 +365,8 @@ def test_generation_defaults(tmp_path):
 def _k3_format_ids(model: Path, messages, add_generation_prompt: bool) -> list[int]:
     """The K3 chat format the embedded model was trained with, written out by hand over the `tokenizers`
     library: `<|im_user|>user<|im_middle|>content<|im_end|>` per turn (role token by role, the name or the
-    role after it), then `<|im_assistant|>assistant<|im_middle|>`; special strings in the text stay text."""
+    role after it), an assistant's reasoning (any of its three names) as `<think>reasoning</think>` before its
+    content, then `<|im_assistant|>assistant<|im_middle|>`; special strings in the text stay text."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(model / "tokenizer.json"))
@@ -377,7 +378,11 @@ def _k3_format_ids(model: Path, messages, add_generation_prompt: bool) -> list[i
         ids += [sp(role_token.get(m["role"], "<|im_assistant|>"))] + tok.encode(
             m.get("name") or m["role"], add_special_tokens=False
         ).ids
-        ids += [sp("<|im_middle|>")] + tok.encode(m["content"], add_special_tokens=False).ids + [sp("<|im_end|>")]
+        ids += [sp("<|im_middle|>")]
+        thought = next((m[k] for k in ("reasoning_content", "thinking", "reasoning") if m.get(k)), None)
+        if m["role"] == "assistant" and thought:
+            ids += [sp("<think>")] + tok.encode(thought, add_special_tokens=False).ids + [sp("</think>")]
+        ids += tok.encode(m["content"], add_special_tokens=False).ids + [sp("<|im_end|>")]
     if add_generation_prompt:
         ids += [sp("<|im_assistant|>")] + tok.encode("assistant", add_special_tokens=False).ids + [sp("<|im_middle|>")]
     return ids

@@ -50,7 +50,7 @@ from tools import doc_corpus  # noqa: E402
 from tools.trainlib.balance import RouterTap, imbalance, qb_update  # noqa: E402
 from tools.trainlib.evaluate import forward_batch  # noqa: E402
 from tools.trainlib.export import export  # noqa: E402
-from tools.trainlib.model import canonical_state_dict, init_stage, moe_layers, tiny_config  # noqa: E402
+from tools.trainlib.model import canonical_state_dict, config_from_args, init_stage, moe_layers  # noqa: E402
 from tools.trainlib.runlog import log  # noqa: E402
 from tools.trainlib.warm_start import export_config, load_export, upgrade_tokenizer  # noqa: E402
 
@@ -256,19 +256,7 @@ def train(a) -> int:
     if a.init_from:  # warm start: the checkpoint's architecture and weights (tools/trainlib/warm_start.py)
         cfg = export_config(a.init_from)
     else:
-        cfg = tiny_config(
-            tok.vocab_size,
-            tok.bos_id,
-            tok.im_end_id,
-            tok.pad_id,
-            hidden=a.hidden,
-            layers=a.layers,
-            kda_heads=a.kda_heads,
-            kda_dim=a.kda_dim,
-            experts=a.experts,
-            topk=a.topk,
-            moe_inter=a.moe_inter,
-        )
+        cfg = config_from_args(tok, a)
     stage = K3Stage(cfg, StagePlan.whole(cfg))
     init_stage(stage, a.seed)
     if a.init_from and ck is None:

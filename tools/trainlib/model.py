@@ -55,6 +55,23 @@ def tiny_config(
     )
 
 
+def config_from_args(tok, a) -> K3Config:
+    """`tiny_config` for a tokenizer and a training script's size options (--hidden, --layers, ...)."""
+    return tiny_config(
+        tok.vocab_size,
+        tok.bos_id,
+        tok.im_end_id,
+        tok.pad_id,
+        hidden=a.hidden,
+        layers=a.layers,
+        kda_heads=a.kda_heads,
+        kda_dim=a.kda_dim,
+        experts=a.experts,
+        topk=a.topk,
+        moe_inter=a.moe_inter,
+    )
+
+
 @torch.no_grad()
 def init_stage(stage: K3Stage, seed: int) -> None:
     """Random start. Projections N(0, 0.02) (output projections / 1/sqrt(2L), GPT-2 style), norms 1, KDA

@@ -28,7 +28,7 @@ from .evaluate import (
     write_eval_slice,
 )
 from .export import export
-from .model import canonical_state_dict, init_stage, moe_layers, tiny_config
+from .model import canonical_state_dict, config_from_args, init_stage, moe_layers
 from .pydoc_topics import chat_documents, encode_documents, split_topics
 from .runlog import log
 from .tiny_card import write_model_card
@@ -89,19 +89,7 @@ def train(a) -> int:
         fh,
     )
 
-    cfg = tiny_config(
-        tok.vocab_size,
-        tok.bos_id,
-        tok.im_end_id,
-        tok.pad_id,
-        hidden=a.hidden,
-        layers=a.layers,
-        kda_heads=a.kda_heads,
-        kda_dim=a.kda_dim,
-        experts=a.experts,
-        topk=a.topk,
-        moe_inter=a.moe_inter,
-    )
+    cfg = config_from_args(tok, a)
     stage = K3Stage(cfg, StagePlan.whole(cfg))
     init_stage(stage, a.seed)
     stage.train()
