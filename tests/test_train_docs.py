@@ -115,13 +115,15 @@ def test_resumed_run_equals_an_uninterrupted_one(tmp_path):
         assert len(a["state"]["hist"][phase]["loss"]) == (6 if phase == "pretrain" else 4)
 
 
-def test_conversation_example_masks_every_assistant_turn_and_nothing_else():
+def test_conversation_example_masks_every_assistant_turn_and_nothing_else(tmp_path):
     """A tool conversation through the shipped template: the loss targets are exactly the assistant's
     parts (its tool-call section, its final answer, each closing <|im_end|>), written out here by hand."""
     from p2pk3.engine.reference import default_model_dir
     from p2pk3.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(_upgraded(default_model_dir()))
+    from tools.trainlib.warm_start import upgrade_tokenizer
+
+    tok = load_tokenizer(upgrade_tokenizer(default_model_dir(), tmp_path / "tok"))
     call = {"id": "functions.python_doc:0", "type": "function",
             "function": {"name": "python_doc", "arguments": '{"name": "len"}'}}
     msgs = [
@@ -148,19 +150,6 @@ def test_conversation_example_masks_every_assistant_turn_and_nothing_else():
         "It returns the length.<|im_end|>",
         "You are welcome.<|im_end|>",
     ]
-
-
-_UPGRADED: dict = {}
-
-
-def _upgraded(src):
-    import tempfile
-
-    from tools.trainlib.warm_start import upgrade_tokenizer
-
-    if src not in _UPGRADED:
-        _UPGRADED[src] = upgrade_tokenizer(src, tempfile.mkdtemp(prefix="p2pk3-tok-"))
-    return _UPGRADED[src]
 
 
 def test_warm_start_computes_what_the_exported_checkpoint_computes(tmp_path):

@@ -76,7 +76,7 @@ class Answerer:
         self.pipe = Pipeline.load(model_dir, max_sessions=32)
         self.prompts = PromptBuilder.from_pretrained(model_dir)
 
-    def answers(self, messages: list[list[dict]], temp=None, top_p=None, rep=None, seed=None, tools=None, keep=()):
+    def answers(self, messages: list[list[dict]], temp=None, top_p=None, rep=None, seed=None, tools=None, keep=False):
         """[(text, ids)] of each conversation's answer; None knobs: the model's generation_config."""
         from p2pk3.frontends.prompt import SamplingOverrides
 
@@ -87,7 +87,7 @@ class Answerer:
         res = []
         for p, out in zip(ps, outs):
             ids = [t for t in out if t not in p.params.stop_ids]
-            text = tok.decode(ids, skip_special=not keep) if not keep else tok.decode(ids, skip_special=False)
+            text = tok.decode(ids, skip_special=not keep)  # keep: the tool-call markers the parser reads
             res.append((text.strip(), ids))
         return res
 
