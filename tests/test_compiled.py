@@ -107,7 +107,7 @@ def test_dequantized_experts_give_the_same_logits(model):
 
 
 def test_experts_are_dequantized_by_default_only_on_the_torch_path_and_when_they_fit(model, monkeypatch):
-    """default_dequant_experts: on a CPU with the torch kernels and room for the bf16 copy (4 bytes per packed
+    """default_dequant_experts: on a CPU with the torch kernels and room for the fp32 copy (8 bytes per packed
     byte within DEQUANT_RAM_SHARE of the available memory) yes; on CUDA, with forced Triton kernels, without
     the room, or when P2PK3_DEQUANT_EXPERTS says otherwise, no."""
     from p2pk3.checkpoint import stage as cs
@@ -120,7 +120,7 @@ def test_experts_are_dequantized_by_default_only_on_the_torch_path_and_when_they
     moes = [m for m in pipe.stages[0].modules() if isinstance(m, LatentMoE)]
     packed = sum(b.numel() for m in moes for n, b in m.named_buffers() if n.endswith("_packed"))
     assert moes and packed > 0
-    room = int(4 * packed / cs.DEQUANT_RAM_SHARE)  # exactly enough available memory
+    room = int(8 * packed / cs.DEQUANT_RAM_SHARE)  # exactly enough available memory
     monkeypatch.setattr(cs, "available_memory", lambda: room)
     assert cs.default_dequant_experts(moes, "cpu")
     assert not cs.default_dequant_experts(moes, "cuda")

@@ -454,7 +454,7 @@ def test_expert_subset_loading(ckpt, whole):
     plan.experts = {2: used}
     sub = Pipeline([load_stage(ckpt, plan)], max_sessions=2, max_tokens=256, block_size=8)
     moe = sub.stages[0].model.layers["2"].block_sparse_moe
-    assert (moe.w1_weight if moe.dequantized else moe.w1_packed).shape[0] == len(used)
+    assert (moe.w13_weight if moe.dequantized else moe.w1_packed).shape[0] == len(used)
     assert torch.equal(sub.score(toks), whole.score(toks))
     missing = [e for e in range(TINY_K3.num_experts) if e not in used]
     plan.experts = {2: [e for e in used[1:]] + missing[:1]}

@@ -18,6 +18,7 @@ from p2pk3.model.stage import K3Stage, StagePlan, build_stage
 from .loader import load_stage_weights
 
 
+DEQUANT_BYTES = 8  # fp32 bytes of a dequantized expert per packed byte (two 4-bit values a byte)
 DEQUANT_RAM_SHARE = 0.25  # the dequantized copy may take at most this share of the host's available memory
 
 
@@ -36,8 +37,8 @@ def available_memory() -> int | None:
 def default_dequant_experts(moes: list[LatentMoE], device) -> bool:
     """Whether a stage holds its MXFP4 experts dequantized unless told (P2PK3_DEQUANT_EXPERTS=1/0 overrides):
     only where the experts run on the torch path (a CPU without forced Triton kernels), which otherwise
-    dequantizes every expert it uses on every pass — holding them in bf16 makes CPU decode 1.2-1.6x faster
-    (docs/benchmarks.md, "issue 22") — and only while the bf16 copy (4 bytes per packed byte) fits in
+    dequantizes every expert it uses on every pass — holding them in fp32 makes CPU decode 1.2-3x faster
+    (docs/benchmarks.md, "issue 22") — and only while the fp32 copy (DEQUANT_BYTES per packed byte) fits in
     DEQUANT_RAM_SHARE of the host's available memory; the Triton kernels read the packed bytes themselves."""
     env = os.environ.get("P2PK3_DEQUANT_EXPERTS")
     if env is not None:
@@ -48,7 +49,7 @@ def default_dequant_experts(moes: list[LatentMoE], device) -> bool:
     if not packed:
         return False
     free = available_memory()
-    return free is not None and 4 * packed <= DEQUANT_RAM_SHARE * free
+    return free is not None and DEQUANT_BYTES * packed <= DEQUANT_RAM_SHARE * free
 
 
 def load_stage(

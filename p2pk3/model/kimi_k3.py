@@ -457,17 +457,18 @@ class LatentMoE(nn.Module):
     dequantized = False  # MXFP4 experts held dequantized (dequantize_experts)
 
     def dequantize_experts(self) -> None:
-        """Hold the MXFP4 routed experts dequantized, in bf16 (every MXFP4 value exactly; 4x the packed bytes),
-        as `w{1,2,3}_weight`: the torch path then skips the per-step dequantization (same arithmetic, same
-        values). A CPU option (`load_stage(..., dequant_experts=True)`); the Triton kernels read the packed
-        bytes themselves and need no such copy."""
+        """Hold the MXFP4 routed experts dequantized in fp32 (every MXFP4 value exactly; 8x the packed bytes),
+        W1 over W3 as `w13_weight` [E, 2I, W] and `w2_weight` [E, W, I]: the torch path then skips the
+        per-step dequantization and casts and runs the experts as two batched matmuls (same arithmetic,
+        same values; kernels/mxfp4_moe_ref.py `dequantized_moe`). A CPU option (`load_stage(...,
+        dequant_experts=True)`); the Triton kernels read the packed bytes themselves and need no such copy."""
         from p2pk3_kernels.mxfp4_moe_ref import dequant_mxfp4
 
         if self.cfg.quant is None or self.dequantized:
             return
-        for w in ("w1", "w2", "w3"):
-            packed, scale = self._buffers.pop(f"{w}_packed"), self._buffers.pop(f"{w}_scale")
-            self.register_buffer(f"{w}_weight", dequant_mxfp4(packed, scale).to(torch.bfloat16))
+        w = {n: dequant_mxfp4(self._buffers.pop(f"{n}_packed"), self._buffers.pop(f"{n}_scale")) for n in ("w1", "w2", "w3")}
+        self.register_buffer("w13_weight", torch.cat([w["w1"], w["w3"]], 1).contiguous())
+        self.register_buffer("w2_weight", w["w2"].contiguous())
         self.dequantized = True
 
     def enable_master_experts(self, init: dict[str, torch.Tensor] | None = None) -> None:
@@ -523,8 +524,7 @@ class LatentMoE(nn.Module):
         if self.dequantized:
             return ops.dequantized_moe(
                 z,
-                self.w1_weight,
-                self.w3_weight,
+                self.w13_weight,
                 self.w2_weight,
                 local,
                 w,
