@@ -57,6 +57,7 @@ def case(n: int, seed: int, pattern: str):
         (16, "unheld", "expert-major"),
         (5, "even", "expert-major"),
         (300, "one expert", "loop"),
+        (12, "one expert", "expert-major"),
     ],
 )
 def test_dequantized_moe_orders_match_the_oracle(n, pattern, order):
