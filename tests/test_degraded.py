@@ -121,6 +121,21 @@ def test_one_noisy_window_neither_starts_nor_ends_a_verdict():
     assert not figs["s1"].degraded and figs["s1"].slow_since is None
 
 
+def test_a_noisy_window_right_after_the_first_slow_one_does_not_restart_the_count():
+    det = DegradedDetector(3.0, 8.0, window_s=1.0)
+    ring = Ring(det, {"s0": 1.0, "s1": 1.0, "s2": 1.0})
+    ring.run(20)
+    ring.ms["s1"] = 6.0
+    ring.run(0.5)
+    start = det.stages["s1"].figure.slow_since
+    assert start is not None
+    ring.ms["s1"] = 1.0  # one window wholly at its usual speed, the third evaluation of the verdict
+    ring.run(1.0)
+    ring.ms["s1"] = 6.0
+    figs = ring.run(8)
+    assert figs["s1"].slow_since == start and figs["s1"].degraded
+
+
 def test_a_new_holder_starts_afresh():
     ring = Ring(DegradedDetector(3.0, 4.0), {"s0": 1.0, "s1": 1.0, "s2": 1.0})
     ring.run(20)
@@ -228,7 +243,7 @@ def test_the_watch_hands_a_degraded_stage_over_once_and_keeps_it_for_the_cooldow
     assert _drive(e, w, {"s0": 1.0, "s1": 1.0, "s2": 1.0}, 20, ["s3"]) == []
     handed = _drive(e, w, {"s0": 1.0, "s1": 1.0, "s2": 4.0}, 40, ["s3"])
     assert [s for _, s in handed] == ["s2"], handed  # once: then the cooldown holds it
-    (addr, frame), = e.sent
+    ((addr, frame),) = e.sent
     assert addr == ("10.0.0.1", 7002)
     slot, epoch, reason = parse_handover(frame)
     assert (slot, epoch) == ("s2", 4) and "x its expected time per token" in reason
@@ -291,9 +306,23 @@ def test_the_dashboard_and_metrics_show_a_degraded_stage():
         "s2": {"slowdown": 1.0, "persistent_slowdown": None, "degraded": False, "action": ""},
     }
     rows = [
-        {"slot": s, "state": "up", "reason": "answering", "slowdown": None, "standby_slot": False, "node": s,
-         "layers": None, "sessions": 0, "queue": 0, "batches_per_s": None, "tokens_per_s": None, "compute_ms": None,
-         "busy": None, "hop_ms": None, "memory": None}
+        {
+            "slot": s,
+            "state": "up",
+            "reason": "answering",
+            "slowdown": None,
+            "standby_slot": False,
+            "node": s,
+            "layers": None,
+            "sessions": 0,
+            "queue": 0,
+            "batches_per_s": None,
+            "tokens_per_s": None,
+            "compute_ms": None,
+            "busy": None,
+            "hop_ms": None,
+            "memory": None,
+        }
         for s in ("s0", "s1", "s2")
     ]
     mark_degraded(rows, verdicts)
@@ -310,7 +339,10 @@ def test_the_dashboard_and_metrics_show_a_degraded_stage():
     t.start()
     try:
         d = types.SimpleNamespace(
-            worker=None, monitor=None, entry=None, stats={"errors": 0},
+            worker=None,
+            monitor=None,
+            entry=None,
+            stats={"errors": 0},
             public_stats=lambda: {"slot": "s0", "role": "entry", "degraded": verdicts},
         )
         fams = {f.name: f for f in DaemonCollector(d, loop, None).collect()}

@@ -110,9 +110,9 @@ class DutyCycle(threading.Thread):
 
 
 def test_a_stage_slowed_to_a_third_is_marked_degraded_and_handed_to_the_standby(ckpt, want):
-    # --degraded-after 10 (the default); factor 2: on a tiny model a stop lands outside the pass (in the
-    # node's I/O) often enough that a third of the running time measures as about 2.4x the pass time
-    with LocalRing(ckpt, 3, standby=1, extra_args=["--degraded-factor", "2"]) as ring:
+    # the defaults: --degraded-factor 3, --degraded-after 10 (the detector prices a stage by the time it held
+    # work, so a stop that lands in the node's frame handling counts as well as one inside a pass)
+    with LocalRing(ckpt, 3, standby=1) as ring:
 
         async def go():
             load = Load(ring, want, workers=8)
@@ -146,7 +146,7 @@ def test_a_stage_slowed_to_a_third_is_marked_degraded_and_handed_to_the_standby(
             f"{replaced:.1f} s after the slow-down began; aggregate {base:.1f} tok/s undisturbed, "
             f"{after:.1f} tok/s after ({after / base:.0%}); {load.done} sessions, {load.wrong} with other tokens"
         )
-        assert ev["degraded"]["slot"] == "s1" and ev["degraded"]["slowdown"] > 2.0
+        assert ev["degraded"]["slot"] == "s1" and ev["degraded"]["slowdown"] > 3.0
         assert replaced < 30, replaced
         holder = [n for n in state["nodes"] if n["slot"] == "s1" and n["role"] == "stage"]
         assert holder and holder[0]["started_on"] == "s3", state  # the standby serves it now

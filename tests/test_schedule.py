@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 import torch
@@ -291,3 +292,43 @@ def test_cancel_mid_prefill_with_chunks_in_flight_frees_every_stage(ckpt, refere
     in_flight, left, tokens = run(go())
     assert in_flight >= 2  # several chunks of the prompt were in the ring when it was cancelled
     assert left == [0, 0, 0] and tokens == want
+
+
+class _FastRunner(_Runner):
+    prefix = None
+
+    def run(self, work):
+        time.sleep(0.01)
+        return object()
+
+
+def test_held_time_counts_a_stall_outside_the_compute_and_stops_when_idle():
+    """The degraded detector prices a stage by the time it held work (node/degraded.py): a stall between a
+    unit's arrival and its compute (a stopped process handling frames) counts there, not in busy_s."""
+
+    async def go():
+        w = StageWorker(
+            _FastRunner(), None, slot="s1", max_batch_tokens=64, emit=_nothing, report=_nothing, pass_free=_nothing
+        )
+        w.start()
+        try:
+            w.put(_unit("a", 5, 1))
+            time.sleep(0.3)  # the event loop is stalled: the unit waits, the worker has not computed
+            for _ in range(100):
+                await asyncio.sleep(0.01)
+                if w.stats.batches:
+                    break
+            await asyncio.sleep(0.05)
+            held = w.held_s()
+            assert w.stats.batches == 1
+            assert held >= 0.3 and w.stats.busy_s < 0.1, (held, w.stats.busy_s)
+            await asyncio.sleep(0.2)  # idle: no more held time
+            assert w.held_s() == held
+        finally:
+            w.stop()
+
+    asyncio.run(go())
+
+
+async def _nothing(*a):
+    pass

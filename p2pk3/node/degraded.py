@@ -2,12 +2,14 @@
 down) answers its heartbeats, so the failure detector never calls it dead; this module notices it.
 
 The entry samples every active stage's statistics every heartbeat (what each pong carries, and its own
-worker's): the cumulative compute time and tokens (`busy_s`, `tokens`) and the passes and recent pass
-times by batch width (`spec`, stage_runner.py). A stage's time moves with the workload (a prefill token
+worker's): the cumulative time it held work and its tokens (`held_s`, `tokens`: held = from a unit's
+arrival at an idle worker until it is idle again, so a stall lands in it wherever in the stage it hits,
+in the compute or in the frame handling around it; a stopped-two-thirds stage measured only 2.3-2.7x by
+its compute time) and the passes and recent pass times by batch width (`spec`, stage_runner.py). A stage's time moves with the workload (a prefill token
 costs a fraction of a decode token), but the same units pass every stage, so the detector compares a
 stage with the others over the same window rather than with a fixed number:
 
-    ratio     = X's compute time in the last `window_s` over what the others take for the same work:
+    ratio     = X's held time in the last `window_s` over what the others take for the same work:
                 the batches X ran, by width, priced at the fastest other stage's recent pass times at
                 those widths (a stage that falls behind merges queued units into wider batches, which
                 its time per token alone would flatter); without widths, X's ms per token over the
@@ -18,8 +20,8 @@ stage with the others over the same window rather than with a fixed number:
 
 With one stage alone (no others have a figure) the slowdown is its ms per token over its own usual one.
 A stage whose slowdown stays above `factor` for `after_s` seconds is degraded: from its first window
-above, at least PERSISTENT (3/4) of the evaluations must be above too, else the count starts again (one
-noisy window neither starts a verdict nor ends one). `DegradedWatch` acts on the verdict at the entry: a
+above, at least PERSISTENT (3/4) of the evaluations must be above too, else the count starts again; a
+single window at or below the factor never ends it (one noisy window neither starts a verdict nor ends one). `DegradedWatch` acts on the verdict at the entry: a
 degraded stage is handed over to a live standby through the failover's takeover and replay paths (the
 holder is asked to step down with a `handover` frame first, node/daemon.py), at most once per slot per
 `cooldown_s`
@@ -234,7 +236,10 @@ class DegradedDetector:
                 st.since.clear()
             if f.slow_since is not None:
                 st.since.append(slowdown)
-                if sum(x > self.factor for x in st.since) < PERSISTENT * len(st.since):  # not slow most of the time
+                below = sum(x <= self.factor for x in st.since)
+                if below > max(
+                    1, (1 - PERSISTENT) * len(st.since)
+                ):  # not slow most of the time (one noisy window never ends it)
                     f.slow_since, f.degraded, f.action, f.persistent = None, False, "", None
                 else:
                     f.persistent = statistics.median(st.since)
@@ -326,7 +331,9 @@ class DegradedWatch:
                 ps = self.state(slot)
                 info = ps.info if ps is not None and ps.state == "up" else None
             if info and isinstance(info.get("tokens"), int) and isinstance(info.get("busy_s"), (int, float)):
-                d.observe(slot, info.get("node"), info["busy_s"], info["tokens"], *widths_of(info))
+                held = info.get("held_s")  # the time it held work; older nodes say only their compute time
+                held = held if isinstance(held, (int, float)) else info["busy_s"]
+                d.observe(slot, info.get("node"), held, info["tokens"], *widths_of(info))
         return d.evaluate()
 
     async def check(self, standbys: list[str]) -> str | None:
@@ -354,8 +361,9 @@ class DegradedWatch:
             if holder is None:
                 self._say(f, "its holder is not known yet")
                 continue
-            log.warning("slot %s is degraded: %s for %.0f s; handing it over to a standby", slot, figure,
-                        now - f.slow_since)
+            log.warning(
+                "slot %s is degraded: %s for %.0f s; handing it over to a standby", slot, figure, now - f.slow_since
+            )
             try:
                 reply = await self.request(self.address(slot), handover_frame(slot, holder[1], figure), 10.0)
                 if reply.kind == "error":
@@ -369,8 +377,16 @@ class DegradedWatch:
                 continue
             self.handed_over[slot] = now
             f.action = "handed over"
-            self.events.append({"event": "degraded", "slot": slot, "node": holder[0], "t": time.time(),
-                                "slowdown": round(f.persistent, 2), "ms_per_token": f.ms_per_token})
+            self.events.append(
+                {
+                    "event": "degraded",
+                    "slot": slot,
+                    "node": holder[0],
+                    "t": time.time(),
+                    "slowdown": round(f.persistent, 2),
+                    "ms_per_token": f.ms_per_token,
+                }
+            )
             self.detector.restart(slot)
             return slot
         return None
@@ -378,8 +394,14 @@ class DegradedWatch:
     def _say(self, f: StageFigure, action: str) -> None:
         if f.action != action:
             f.action = action
-            log.warning("slot %s is degraded: %.1fx its expected time per token for %.0f s (%s); %s",
-                        f.slot, f.persistent, self.detector.clock() - f.slow_since, _now(f), action)
+            log.warning(
+                "slot %s is degraded: %.1fx its expected time per token for %.0f s (%s); %s",
+                f.slot,
+                f.persistent,
+                self.detector.clock() - f.slow_since,
+                _now(f),
+                action,
+            )
 
     def report(self) -> dict[str, dict]:
         now = self.detector.clock()

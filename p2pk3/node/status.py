@@ -24,6 +24,7 @@ def node_status(d) -> dict:
         "batches": w.batches if w else 0,
         "tokens": w.tokens if w else 0,
         "busy_s": round(w.busy_s, 4) if w else 0.0,
+        "held_s": round(d.worker.held_s(), 4) if d.worker else 0.0,
         "last_batch_ms": round(w.last_batch_ms, 3) if w else 0.0,
         "busy": round(d.worker.busy_fraction(), 3) if d.worker else 0.0,
         "queue": d.worker.depth if d.worker else 0,

@@ -61,7 +61,8 @@ class Retain:
 class WorkerStats:
     batches: int = 0
     tokens: int = 0
-    busy_s: float = 0.0
+    busy_s: float = 0.0  # computing
+    held_s: float = 0.0  # holding work: from a unit's arrival at an idle worker until it is idle again
     errors: int = 0
     last_batch_ms: float = 0.0
 
@@ -141,6 +142,7 @@ class StageWorker:
         self.busy = BusyMeter()
         self.cost = PassCost()  # compute ms by batch width (cost_width): the entry cuts prefill units by it
         self._prefill_owed = False
+        self._held_since: float | None = None  # when the worker last went from idle to holding a unit
         self.opened: dict[str, float] = {}  # session -> when its position 0 was queued here (the retain's grace)
         self._tasks: list[asyncio.Task] = []
 
@@ -160,6 +162,8 @@ class StageWorker:
             for s in item.segments:
                 if s.start_pos == 0:
                     self.opened[str(s.session)] = now
+            if self._held_since is None:
+                self._held_since = time.perf_counter()
         self.items.append(item)
         self._wake.set()
 
@@ -167,12 +171,21 @@ class StageWorker:
     def depth(self) -> int:
         return len(self.items)
 
+    def held_s(self) -> float:
+        """Wall seconds this worker has held work (queued or computing, the gaps between batches included):
+        what a stage's slowness costs the ring, wherever in the stage it lands (node/degraded.py)."""
+        now = time.perf_counter()
+        return self.stats.held_s + (now - self._held_since if self._held_since is not None else 0.0)
+
     def busy_fraction(self) -> float:
         return self.busy.fraction()
 
     async def _loop(self) -> None:
         while True:
             while not self.items:
+                if self._held_since is not None:  # idle: the held time ends here
+                    self.stats.held_s += time.perf_counter() - self._held_since
+                    self._held_since = None
                 self._wake.clear()
                 await self._wake.wait()
             head = self.items[0]
