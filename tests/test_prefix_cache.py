@@ -220,7 +220,9 @@ def test_ring_greedy_tokens_with_the_cache_equal_the_reference_and_report_cached
     # rolled back before the stages keep its reply)
     stop = reference.generate([turns[1]], SamplingParams(max_tokens=6))[0][3]
     plain = [SamplingParams(max_tokens=6), SamplingParams(max_tokens=6, stop_ids=(stop,))] * 2
-    params = [p if i % 2 == 0 else dataclasses.replace(p, speculate="ngram", draft_tokens=3) for i, p in enumerate(plain)]
+    params = [
+        p if i % 2 == 0 else dataclasses.replace(p, speculate="ngram", draft_tokens=3) for i, p in enumerate(plain)
+    ]
 
     async def main():
         topo = loopback_topology(ckpt, 3)
@@ -341,6 +343,51 @@ def test_after_a_takeover_the_new_holder_misses_and_the_answers_stay_right(ckpt,
     cached = [r.stats["cached_tokens"] for r in got]
     assert cached[0] == 0 and cached[1] > 0, cached
     assert cached[2] == 0 and cached[3] > 0, cached  # the new holder's cache starts empty, then fills
+
+
+@pytest.mark.slow
+def test_a_penalised_session_that_hit_the_cache_keeps_its_tokens_when_the_last_stage_dies_mid_answer(ckpt, reference):
+    """A repetition-penalty session starts at a cached prefix (its first segment carries the ids below it,
+    Segment.history); the last stage, whose sampler holds those ids, is killed after the first tokens. The
+    spare takes the slot over with an empty cache, the session is replayed there, and its tokens still equal
+    one process's under the penalty."""
+    from p2pk3.node.local import free_ports
+    from p2pk3.topology import Slot, Topology
+
+    _, turns8 = prompts(8)
+    huge = SamplingParams(max_tokens=12, repetition_penalty=1e4)
+    topo = loopback_topology(ckpt, 3)
+    topo.slots.append(Slot("spare0", None, 2, "127.0.0.1", free_ports(1)[0], standby=True))
+    topo = Topology.from_dict(topo.to_dict())
+    opts = dict(prefill_chunk=8, prefix_block=B, snapshot_every=2, heartbeat_s=0.2, dead_after_s=1.0)
+
+    async def main():
+        async with InProcessRing(topo, ckpt, **opts) as ring:
+            spare = await ring.start("spare0")
+            c = await ring.client()
+            try:
+                await c.generate(turns8[0], SamplingParams(max_tokens=2))  # fills the caches
+                seen = asyncio.Event()
+                got: list[int] = []
+
+                def on_token(t):
+                    got.append(t)
+                    if len(got) == 3:
+                        seen.set()
+
+                task = asyncio.create_task(c.generate(turns8[2], huge, on_token=on_token))
+                await asyncio.wait_for(seen.wait(), 60)
+                hit = ring.entry.entry.prefixes.hit_tokens  # it started at the cached prefix
+                await ring.daemons[2].stop("killed by the test")  # the last stage, mid-answer
+                reply = await asyncio.wait_for(task, 120)
+                assert spare.role == "stage"
+                return reply, hit
+            finally:
+                c.close()
+
+    r, hit = run(main())
+    assert hit > 0 and r.stats["replays"] >= 1, (hit, r.stats)  # a hit, then replayed after the takeover
+    assert r.tokens == reference.generate([turns8[2]], huge)[0] and not set(r.tokens) & set(turns8[2])
 
 
 def test_live_sessions_take_back_blocks_only_the_cache_holds(stages):

@@ -394,3 +394,46 @@ def test_a_retain_spares_a_session_opened_since_it_was_listed():
     w.opened["young"] -= W.RETAIN_GRACE_S + 1  # the grace is over: the next retain frees it
     w._retain(W.Retain({}))
     assert freed == ["old", "young"]
+
+
+def test_a_session_a_stage_lost_is_replayed_and_keeps_its_tokens(ckpt, reference):
+    """A stage frees a live session behind the entry's back (a `retain` that raced the session's replay, as
+    the chaos run once saw): its next unit there finds no state, the stage answers `lost_state` for the
+    unit's sessions, and the entry replays them from position 0 at a new epoch. Every reply still equals one
+    process's, and none fails."""
+    from p2pk3.node.worker import Retain
+
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(4, 30))] for _ in range(4)]
+    params = SamplingParams(max_tokens=24)
+    want = [reference.generate([p], params)[0] for p in prompts]
+
+    async def go():
+        async with InProcessRing(loopback_topology(ckpt, 3), ckpt, prefill_chunk=8) as ring:
+            cs = [await ring.client() for _ in prompts]
+            seen, got = asyncio.Event(), []
+
+            def on_token(t):
+                got.append(t)
+                if len(got) == 4:
+                    seen.set()
+
+            tasks = [
+                asyncio.create_task(c.generate(p, params, on_token=on_token if i == 0 else None))
+                for i, (c, p) in enumerate(zip(cs, prompts))
+            ]
+            await asyncio.wait_for(seen.wait(), 60)
+            entry = ring.entry.entry
+            first = next(s for s in entry.sessions.values() if list(s.tokens[: len(prompts[0])]) == prompts[0])
+            w = ring.daemons[1].worker
+            w.opened.pop(first.id, None)  # not young: the retain frees it
+            keep = {sid: s.epoch for sid, s in entry.sessions.items() if sid != first.id}
+            w.put(Retain(keep))  # the middle stage drops the first session at its next batch boundary
+            replies = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+            for c in cs:
+                c.close()
+            return replies
+
+    replies = run(go())
+    assert [r.tokens for r in replies] == want
+    assert replies[0].stats["replays"] >= 1, replies[0].stats

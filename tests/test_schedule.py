@@ -332,3 +332,20 @@ def test_held_time_counts_a_stall_outside_the_compute_and_stops_when_idle():
 
 async def _nothing(*a):
     pass
+
+
+def test_lost_state_replays_the_session_a_bounded_number_of_times_then_fails_it_clearly():
+    from p2pk3.node.entry import MAX_LOST_REPLAYS
+    from p2pk3.transport.messages import ErrorCode
+
+    e, sent = _entry(prefill_chunk=64)
+    s = e.submit(list(range(1, 9)), SamplingParams(max_tokens=3))
+    for k in range(MAX_LOST_REPLAYS + 1):
+        e.kick()
+        unit = sent[-1]
+        seg = unit.segments[0]
+        assert seg.start_pos == 0 and seg.epoch == k  # each replay: from position 0 at a new epoch
+        msg = f"unknown session {s.id!r} on this stage"
+        e.on_results([Result(s.id, seg.epoch, 8, error=msg, code=ErrorCode.LOST_STATE)], None)
+        assert s.done == (k == MAX_LOST_REPLAYS)
+    assert s.error == f"unknown session {s.id!r} on this stage" and s.replays == MAX_LOST_REPLAYS

@@ -32,6 +32,11 @@ class SessionError(KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class UnknownSession(SessionError):
+    """A stage holds no state for the session (freed behind the entry's back, or the stage is new): the
+    entry replays it (`lost_state`)."""
+
+
 @dataclass
 class KdaCheckpoint:
     """What one KDA layer needs to undo a verify pass exactly (speculative decoding): its state before the
@@ -195,7 +200,7 @@ class StageCache:
         try:
             return self.sessions[session]
         except KeyError:
-            raise SessionError(f"unknown session {session!r} on this stage") from None
+            raise UnknownSession(f"unknown session {session!r} on this stage") from None
 
     def reserve(self, spans: list[Span]) -> None:
         """Check positions and make room for every span before anything is computed (all or nothing)."""

@@ -466,7 +466,10 @@ class LatentMoE(nn.Module):
 
         if self.cfg.quant is None or self.dequantized:
             return
-        w = {n: dequant_mxfp4(self._buffers.pop(f"{n}_packed"), self._buffers.pop(f"{n}_scale")) for n in ("w1", "w2", "w3")}
+        w = {
+            n: dequant_mxfp4(self._buffers.pop(f"{n}_packed"), self._buffers.pop(f"{n}_scale"))
+            for n in ("w1", "w2", "w3")
+        }
         self.register_buffer("w13_weight", torch.cat([w["w1"], w["w3"]], 1).contiguous())
         self.register_buffer("w2_weight", w["w2"].contiguous())
         self.dequantized = True

@@ -49,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field, replace
 
@@ -67,9 +68,12 @@ from .stage_runner import Work
 
 PROMPT_LOGPROB_BYTES = 13  # a prompt logprob entry on the wire, per (1 + top) ids and logprobs, about
 
+log = logging.getLogger("p2pk3.node")
+
 # while sessions decode, a prefill unit costs at most this share of a decode unit: a stage runs at most one
 # prefill unit between two decode batches, so the others' inter-token time grows by at most 1 + this
 PREFILL_SHARE = 0.5
+MAX_LOST_REPLAYS = 3  # lost_state replays of one session before it fails with the stage's message
 
 
 class Busy(RuntimeError):
@@ -93,6 +97,7 @@ class Session:
     error: str | None = None
     error_code: str | None = None
     replays: int = 0
+    lost: int = 0  # replays after a stage said it held no state for it (lost_state)
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     logits: list[torch.Tensor] = field(default_factory=list)
     t_submit: float = field(default_factory=time.perf_counter)
@@ -290,14 +295,19 @@ class Entry:
         """Restart every live session at a new epoch from position 0 (its whole history). Returns how many."""
         n = 0
         for s in self.live():
-            s.epoch += 1
-            s.sent, s.inflight_draft, s.decoding, s.group = 0, 0, False, None
-            s.cached, s.prefix = 0, None
-            s.sent_at.clear()
-            s.logits.clear()
-            s.replays += 1
+            self._replay(s)
             n += 1
         return n
+
+    def _replay(self, s: Session) -> None:
+        """Restart `s` at a new epoch from position 0 with its whole history (prompt and tokens so far): every
+        stage drops the old epoch's state and computes it afresh, so its next tokens are the same."""
+        s.epoch += 1
+        s.sent, s.inflight_draft, s.decoding, s.group = 0, 0, False, None
+        s.cached, s.prefix = 0, None
+        s.sent_at.clear()
+        s.logits.clear()
+        s.replays += 1
 
     def resume(self) -> None:
         self.paused = None
@@ -533,6 +543,14 @@ class Entry:
                 # too when it shared the unit with one that did (a failed unit's segments share its error)
                 self._prefix_missed(s)
                 continue
+            if r.code == ErrorCode.LOST_STATE and s.lost < MAX_LOST_REPLAYS:
+                # a stage lost the session's state (a retain that raced its replay, a restarted stage): the
+                # unit's earlier stages advanced theirs, so the session starts again everywhere. Every session
+                # of the failed unit gets the code (a failed unit's segments share its error)
+                s.lost += 1
+                log.warning("session %s: %s; replaying it (%d of %d)", s.id, r.error, s.lost, MAX_LOST_REPLAYS)
+                self._replay(s)
+                continue
             if r.error is not None:
                 self._finish(s, error=r.error, code=r.code or ErrorCode.FAILED)
                 continue
@@ -589,7 +607,9 @@ class Entry:
             if s.params.logprobs is not None and len(lps) != len(r.tokens):
                 self._finish(s, error=f"the ring sent {len(lps)} logprobs for {len(r.tokens)} tokens", code="failed")
                 continue
-            for k, tok in enumerate(r.tokens):  # accepted drafts, then the token after them; a stop id or max_tokens ends it
+            for k, tok in enumerate(
+                r.tokens
+            ):  # accepted drafts, then the token after them; a stop id or max_tokens ends it
                 s.tokens.append(tok)
                 if lps:
                     s.logprobs.append(lps[k])

@@ -26,7 +26,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-from p2pk3.model.cache import CacheFull, SessionError
+from p2pk3.model.cache import CacheFull, SessionError, UnknownSession
 from p2pk3.model.kimi_k3 import ExpertNotHeld
 from p2pk3.model.prefix_cache import PrefixMiss
 from p2pk3.spec.draft_len import PassCost
@@ -73,6 +73,8 @@ def error_results(segments: list[Segment], e: Exception) -> list[Result]:
         if isinstance(e, CacheFull)
         else ErrorCode.PREFIX_MISS
         if isinstance(e, PrefixMiss)
+        else ErrorCode.LOST_STATE
+        if isinstance(e, UnknownSession)
         else ErrorCode.FAILED
     )
     msg = str(e).strip("'\"") if isinstance(e, RECOVERABLE) else f"{type(e).__name__}: {e}"

@@ -23,6 +23,7 @@ class ErrorCode:
     UNAVAILABLE = "unavailable"  # a slot of the ring is down; message names it
     CANCELLED = "cancelled"  # the request was cancelled
     PREFIX_MISS = "prefix_miss"  # a stage no longer holds the cached prefix a segment named: the entry retries
+    LOST_STATE = "lost_state"  # a stage holds no state for the session (freed, or new there): the entry replays it
 
 
 MAX_SESSION_ID = 256
