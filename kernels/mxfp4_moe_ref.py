@@ -128,10 +128,13 @@ def dequantized_moe(
         if out is not None:
             return out
     I = w2.shape[2]
-    if batched_order(topk_ids, w13.shape[0], I, z.shape[1]):
+    if batched_order(topk_ids, w13.shape[0], I, z.shape[1]):  # each token's chosen experts gathered
         ids = topk_ids.clamp(min=0)
-        w = w13[ids]  # [N, k, 2I, W]
-        return _gathered(zf, w[..., :I, :], w[..., I:, :], w2[ids], topk_ids, topk_weights, activation, beta1, beta2)
+        h = (w13[ids] @ zf.unsqueeze(1).unsqueeze(-1)).squeeze(-1)  # [N, k, 2I]: W1 and W3 in one matmul
+        a = glu_act(h[..., :I], h[..., I:], activation, beta1, beta2)
+        y = (w2[ids] @ a.unsqueeze(-1)).squeeze(-1)  # [N, k, W]
+        y = torch.where((topk_ids >= 0).unsqueeze(-1), y * topk_weights.float().unsqueeze(-1), 0.0)
+        return y.sum(1)
     out = torch.zeros(z.shape[0], z.shape[1], dtype=torch.float32, device=z.device)
     for e in torch.unique(topk_ids).tolist():  # many tokens on a few experts: each expert once
         if e < 0:
