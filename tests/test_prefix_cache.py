@@ -309,16 +309,21 @@ def test_sessions_with_penalties_hit_the_cache_and_sample_as_one_process(ckpt, r
     assert h.tokens == reference.generate([turns8[2]], huge)[0] and not set(h.tokens) & set(turns8[2])
 
 
-@pytest.mark.slow
-def test_after_a_takeover_the_new_holder_misses_and_the_answers_stay_right(ckpt, reference):
+def ring_with_a_spare(ckpt):
+    """A 3-stage loopback topology with a standby slot `spare0`, and ring options that fail over fast."""
     from p2pk3.node.local import free_ports
     from p2pk3.topology import Slot, Topology
 
-    system, turns = prompts(6)
     topo = loopback_topology(ckpt, 3)
     topo.slots.append(Slot("spare0", None, 2, "127.0.0.1", free_ports(1)[0], standby=True))
-    topo = Topology.from_dict(topo.to_dict())
     opts = dict(prefill_chunk=8, prefix_block=B, snapshot_every=2, heartbeat_s=0.2, dead_after_s=1.0)
+    return Topology.from_dict(topo.to_dict()), opts
+
+
+@pytest.mark.slow
+def test_after_a_takeover_the_new_holder_misses_and_the_answers_stay_right(ckpt, reference):
+    system, turns = prompts(6)
+    topo, opts = ring_with_a_spare(ckpt)
 
     async def main():
         async with InProcessRing(topo, ckpt, **opts) as ring:
@@ -351,15 +356,9 @@ def test_a_penalised_session_that_hit_the_cache_keeps_its_tokens_when_the_last_s
     Segment.history); the last stage, whose sampler holds those ids, is killed after the first tokens. The
     spare takes the slot over with an empty cache, the session is replayed there, and its tokens still equal
     one process's under the penalty."""
-    from p2pk3.node.local import free_ports
-    from p2pk3.topology import Slot, Topology
-
     _, turns8 = prompts(8)
     huge = SamplingParams(max_tokens=12, repetition_penalty=1e4)
-    topo = loopback_topology(ckpt, 3)
-    topo.slots.append(Slot("spare0", None, 2, "127.0.0.1", free_ports(1)[0], standby=True))
-    topo = Topology.from_dict(topo.to_dict())
-    opts = dict(prefill_chunk=8, prefix_block=B, snapshot_every=2, heartbeat_s=0.2, dead_after_s=1.0)
+    topo, opts = ring_with_a_spare(ckpt)
 
     async def main():
         async with InProcessRing(topo, ckpt, **opts) as ring:
