@@ -158,7 +158,8 @@ def expert_major(x, w13, w2, topk_ids, topk_weights, activation, beta1, beta2) -
     choices any one expert got; empty rows are zero), two batched matmuls against every held expert's
     weights in place (nothing gathered), the rows weighed and added back to their tokens. A fixed ~25 ops
     for any N (the loop over experts costs ~15 per expert touched; the gathered order copies N*k expert
-    matrices). None for very few choices, or a grid past PAD_WASTE / PAD_ROWS (a skewed prefill: the loop). Reads the counts on the host, so never under torch.compile."""
+    matrices). None for very few choices, or a grid past PAD_WASTE / PAD_ROWS (a skewed prefill: the
+    loop). Reads the counts on the host, so never under torch.compile."""
     if GATHER_BELOW * topk_ids.numel() <= w13.shape[0]:
         return None
     E, W, I = w13.shape[0], x.shape[1], w2.shape[2]

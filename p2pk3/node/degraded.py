@@ -5,9 +5,10 @@ The entry samples every active stage's statistics every heartbeat (what each pon
 worker's): the cumulative time it held work and its tokens (`held_s`, `tokens`: held = from a unit's
 arrival at an idle worker until it is idle again, so a stall lands in it wherever in the stage it hits,
 in the compute or in the frame handling around it; a stopped-two-thirds stage measured only 2.3-2.7x by
-its compute time) and the passes and recent pass times by batch width (`spec`, stage_runner.py). A stage's time moves with the workload (a prefill token
-costs a fraction of a decode token), but the same units pass every stage, so the detector compares a
-stage with the others over the same window rather than with a fixed number:
+its compute time) and the passes and recent pass times by batch width (`spec`, stage_runner.py). A
+stage's time moves with the workload (a prefill token costs a fraction of a decode token), but the same
+units pass every stage, so the detector compares a stage with the others over the same window rather
+than with a fixed number:
 
     ratio     = X's held time in the last `window_s` over what the others take for the same work:
                 the batches X ran, by width, priced at the fastest other stage's recent pass times at
@@ -21,7 +22,8 @@ stage with the others over the same window rather than with a fixed number:
 With one stage alone (no others have a figure) the slowdown is its ms per token over its own usual one.
 A stage whose slowdown stays above `factor` for `after_s` seconds is degraded: from its first window
 above, at least PERSISTENT (3/4) of the evaluations must be above too, else the count starts again; a
-single window at or below the factor never ends it (one noisy window neither starts a verdict nor ends one). `DegradedWatch` acts on the verdict at the entry: a
+single window at or below the factor never ends it (one noisy window neither starts a verdict nor ends
+one). `DegradedWatch` acts on the verdict at the entry: a
 degraded stage is handed over to a live standby through the failover's takeover and replay paths (the
 holder is asked to step down with a `handover` frame first, node/daemon.py), at most once per slot per
 `cooldown_s`
@@ -236,10 +238,9 @@ class DegradedDetector:
                 st.since.clear()
             if f.slow_since is not None:
                 st.since.append(slowdown)
+                # not slow most of the time ends it; one noisy window never does
                 below = sum(x <= self.factor for x in st.since)
-                if below > max(
-                    1, (1 - PERSISTENT) * len(st.since)
-                ):  # not slow most of the time (one noisy window never ends it)
+                if below > max(1, (1 - PERSISTENT) * len(st.since)):
                     f.slow_since, f.degraded, f.action, f.persistent = None, False, "", None
                 else:
                     f.persistent = statistics.median(st.since)

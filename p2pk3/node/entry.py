@@ -607,9 +607,8 @@ class Entry:
             if s.params.logprobs is not None and len(lps) != len(r.tokens):
                 self._finish(s, error=f"the ring sent {len(lps)} logprobs for {len(r.tokens)} tokens", code="failed")
                 continue
-            for k, tok in enumerate(
-                r.tokens
-            ):  # accepted drafts, then the token after them; a stop id or max_tokens ends it
+            # accepted drafts, then the token after them; a stop id or max_tokens ends it
+            for k, tok in enumerate(r.tokens):
                 s.tokens.append(tok)
                 if lps:
                     s.logprobs.append(lps[k])
