@@ -136,6 +136,23 @@ def test_a_noisy_window_right_after_the_first_slow_one_does_not_restart_the_coun
     assert figs["s1"].slow_since == start and figs["s1"].degraded
 
 
+def test_a_stage_a_third_of_whose_windows_dip_to_the_factor_is_still_degraded_in_time():
+    """A slow stage whose windows dip to or below the threshold (2.5 at factor 3) one time in three: the
+    median of the recent evaluations stays above, so the verdict comes after `after_s`, not never (a rule
+    of "3/4 of the windows above" restarted the count every few windows)."""
+    det = DegradedDetector(3.0, 8.0, window_s=0.5)  # each 0.5 s step is one evaluation
+    ring = Ring(det, {"s0": 1.0, "s1": 1.0, "s2": 1.0})
+    ring.run(20)
+    start, figs = ring.t, {}
+    for k in range(30):
+        ring.ms["s1"] = (3.6, 3.6, 2.3)[k % 3]
+        figs = ring.run(0.5)
+        if figs["s1"].degraded:
+            break
+    assert figs["s1"].degraded, figs["s1"]
+    assert ring.t - start <= 8.5 and figs["s1"].persistent == pytest.approx(3.6, rel=0.05)
+
+
 def test_a_new_holder_starts_afresh():
     ring = Ring(DegradedDetector(3.0, 4.0), {"s0": 1.0, "s1": 1.0, "s2": 1.0})
     ring.run(20)
@@ -176,6 +193,20 @@ def test_idle_windows_say_nothing():
             ring.det.observe(s, ring.node[s], ring.busy[s], ring.tokens[s])
     figs = ring.det.evaluate()
     assert figs["s0"].slowdown is None and not figs["s0"].degraded
+
+
+def test_a_stage_exactly_at_the_factor_is_caught_and_one_at_twice_is_not():
+    """The factor names the slowdown to catch: windows of a stage exactly 3x slower read about 3, half of
+    them below, and it must still be found; a stage 2x slower stays below the threshold (2.5 at factor 3)."""
+    for slow, want in ((3.0, True), (2.0, False)):
+        det = DegradedDetector(3.0, 8.0, window_s=0.5)
+        ring = Ring(det, {"s0": 1.0, "s1": 1.0, "s2": 1.0})
+        ring.run(20)
+        for k in range(40):
+            ring.ms["s1"] = slow * (1.15, 0.85)[k % 2]  # +-15 %: half of the windows below the factor
+            figs = ring.run(0.5)
+        assert figs["s1"].degraded is want, (slow, figs["s1"])
+    assert DegradedDetector(1.2).threshold > 1.0
 
 
 def test_the_factor_must_be_above_one():

@@ -9,11 +9,11 @@
 
 `--scaling` instead measures what a stage more buys (issue 21): 1-node vs 2-node vs 4-node loopback rings
 of the same model (`p2pk3 node` processes, one intra-op thread each, the daemons' default schedule), the
-same client: TTFT of a 1,536-token prompt, prompt tokens/s of 8 concurrent 1,024-token prompts, aggregate
-decode of 16 sessions x 48 tokens with each stage's busy fraction (its own `busy_s` / wall time) and the
-ceiling batching allows on this model (one process: a decode step of 16 / a step of 8), the p99 inter-token
-gap of 8 decoding sessions with and without a 4,096-token prompt prefilling beside them, and whether every
-ring gave the same tokens.
+same client: TTFT of a 1,536-token prompt (the median of 5, each prompt fresh), prompt tokens/s of 8
+concurrent 1,024-token prompts, aggregate decode of 16 sessions x 48 tokens with each stage's busy fraction
+(its own `busy_s` / wall time) and the ceiling batching allows on this model (one process: a decode step of
+16 / a step of 8), the p99 inter-token gap of 8 decoding sessions with and without a 4,096-token prompt
+prefilling beside them, and whether every ring gave the same tokens.
 
     python tools/bench_ring.py --scaling [--nodes 1,2,4] [--model DIR] [--json OUT]
 """
@@ -304,6 +304,9 @@ def _ceiling(model_dir: str) -> tuple[float, float]:
     return out[0], out[1]
 
 
+TTFT_REPS = 5  # fresh 1,536-token prompts per ring; the TTFT figure is their median (one sample swung 0.42-0.83x)
+
+
 def scaling(model_dir: str, nodes: list[int], decode_tokens: int = 48) -> dict:
     from p2pk3.node.local import LocalRing
     from p2pk3.params import SamplingParams
@@ -313,7 +316,7 @@ def scaling(model_dir: str, nodes: list[int], decode_tokens: int = 48) -> dict:
     def prompt(n):
         return [int(t) for t in rng.integers(3, 2000, n)]
 
-    ttft_prompt = prompt(1536)
+    ttft_prompts = [prompt(1536) for _ in range(TTFT_REPS)]
     prefill_prompts = [prompt(1024) for _ in range(8)]
     decode_prompts = [prompt(16) for _ in range(16)]
     long_prompt = prompt(4096)
@@ -334,8 +337,11 @@ def scaling(model_dir: str, nodes: list[int], decode_tokens: int = 48) -> dict:
                 c.close()
 
             asyncio.run(warm())
-            t0, t1, (rep,), _ = asyncio.run(_timed(ring, [ttft_prompt], SamplingParams(max_tokens=1)))
-            r["ttft_s"] = rep.stats.get("ttft_s") or (t1 - t0)
+            ttfts = []
+            for p in ttft_prompts:  # one at a time, each fresh (no prefix-cache hit): the median of TTFT_REPS
+                t0, t1, (rep,), _ = asyncio.run(_timed(ring, [p], SamplingParams(max_tokens=1)))
+                ttfts.append(rep.stats.get("ttft_s") or (t1 - t0))
+            r["ttft_s"], r["ttft_each_s"] = statistics.median(ttfts), ttfts
             t0, t1, _, _ = asyncio.run(_timed(ring, prefill_prompts, SamplingParams(max_tokens=1)))
             r["prompt_tps"] = sum(len(p) for p in prefill_prompts) / (t1 - t0)
             b0, w0 = _stage_busy(ring), time.perf_counter()
@@ -352,7 +358,7 @@ def scaling(model_dir: str, nodes: list[int], decode_tokens: int = 48) -> dict:
         res[n] = r
         busy = ", ".join(f"{k} {100 * v:.0f}%" for k, v in r["busy"].items())
         print(
-            f"   {n} node(s): TTFT {r['ttft_s']:.2f} s; prompt {r['prompt_tps']:.0f} tok/s; decode {r['decode_tps']:.1f} tok/s "
+            f"   {n} node(s): TTFT {r['ttft_s']:.2f} s (median of {', '.join(f'{x:.2f}' for x in r['ttft_each_s'])}); prompt {r['prompt_tps']:.0f} tok/s; decode {r['decode_tps']:.1f} tok/s "
             f"(busy {busy}); p99 gap {r['itl_p99_ms']['with_prefill']:.0f} ms with a 4,096-token prefill vs "
             f"{r['itl_p99_ms']['without']:.0f} ms without ({k} gaps); load {r['load'][0]:.2f}"
         )

@@ -109,7 +109,8 @@ def _stop_on_signals(stop):
     type=click.FloatRange(min=1.0, min_open=True),
     default=3.0,
     show_default=True,
-    help="a stage this many times slower per token than expected is degraded (the entry hands it to a standby)",
+    help="a stage this many times slower per token than expected is degraded (the entry hands it to a standby; "
+    "its windows are judged against 1 + 0.75 x (F - 1), for their noise)",
 )
 @click.option(
     "--degraded-after",
