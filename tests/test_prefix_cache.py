@@ -320,6 +320,21 @@ def ring_with_a_spare(ckpt):
     return Topology.from_dict(topo.to_dict()), opts
 
 
+async def spare_known(ring, slot: str = "spare0", timeout: float = 30.0) -> None:
+    """Until the entry's monitor has heard `slot` answer as a standby: a stage killed before that is down with
+    no standby to take it over (a kill 0.3 s after the spare started failed the request in one suite run)."""
+    from p2pk3.node.monitor import UP
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        ps = ring.entry.monitor.state(slot)
+        if ps is not None and ps.state == UP and ps.info.get("role") == "standby":
+            return
+        assert loop.time() < deadline, f"the entry never heard {slot} as a standby: {ps}"
+        await asyncio.sleep(0.05)
+
+
 @pytest.mark.slow
 def test_after_a_takeover_the_new_holder_misses_and_the_answers_stay_right(ckpt, reference):
     system, turns = prompts(6)
@@ -328,6 +343,7 @@ def test_after_a_takeover_the_new_holder_misses_and_the_answers_stay_right(ckpt,
     async def main():
         async with InProcessRing(topo, ckpt, **opts) as ring:
             spare = await ring.start("spare0")
+            await spare_known(ring)
             c = await ring.client()
             try:
                 got = [await c.generate(t, SamplingParams(max_tokens=5)) for t in turns[:2]]
@@ -363,6 +379,7 @@ def test_a_penalised_session_that_hit_the_cache_keeps_its_tokens_when_the_last_s
     async def main():
         async with InProcessRing(topo, ckpt, **opts) as ring:
             spare = await ring.start("spare0")
+            await spare_known(ring)
             c = await ring.client()
             try:
                 await c.generate(turns8[0], SamplingParams(max_tokens=2))  # fills the caches
