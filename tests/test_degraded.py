@@ -136,7 +136,7 @@ def test_a_noisy_window_right_after_the_first_slow_one_does_not_restart_the_coun
     assert figs["s1"].slow_since == start and figs["s1"].degraded
 
 
-def test_a_stage_a_third_of_whose_windows_dip_to_the_factor_is_still_degraded_in_time():
+def test_a_stage_a_third_of_whose_windows_dip_below_the_threshold_is_still_degraded_in_time():
     """A slow stage whose windows dip to or below the threshold (2.5 at factor 3) one time in three: the
     median of the recent evaluations stays above, so the verdict comes after `after_s`, not never (a rule
     of "3/4 of the windows above" restarted the count every few windows)."""

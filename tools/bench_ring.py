@@ -357,8 +357,10 @@ def scaling(model_dir: str, nodes: list[int], decode_tokens: int = 48) -> dict:
             r["load"] = os.getloadavg()
         res[n] = r
         busy = ", ".join(f"{k} {100 * v:.0f}%" for k, v in r["busy"].items())
+        each = ", ".join(f"{x:.2f}" for x in r["ttft_each_s"])
         print(
-            f"   {n} node(s): TTFT {r['ttft_s']:.2f} s (median of {', '.join(f'{x:.2f}' for x in r['ttft_each_s'])}); prompt {r['prompt_tps']:.0f} tok/s; decode {r['decode_tps']:.1f} tok/s "
+            f"   {n} node(s): TTFT {r['ttft_s']:.2f} s (median of {each}); prompt {r['prompt_tps']:.0f} tok/s; "
+            f"decode {r['decode_tps']:.1f} tok/s "
             f"(busy {busy}); p99 gap {r['itl_p99_ms']['with_prefill']:.0f} ms with a 4,096-token prefill vs "
             f"{r['itl_p99_ms']['without']:.0f} ms without ({k} gaps); load {r['load'][0]:.2f}"
         )

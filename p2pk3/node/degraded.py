@@ -24,12 +24,12 @@ With one stage alone (no others have a figure) the slowdown is its ms per token 
 the 5-second windows of a stage slowed to exactly a third of its speed read about 3x, as many below as
 above (medians over a verdict 3.14x and 4.42x; in a third run no verdict in 90 s at a threshold of 3),
 so a window counts as slow above the detector's `threshold` = 1 + NOISE x (factor - 1): 2.5 at the
-default 3, always above 1 (a healthy stage reads about 1). A stage whose slowdown stays above the threshold for `after_s` seconds is degraded:
-from its first window above, the median of its last RECENT (8) evaluations must stay above too, else
-the count starts again; a single window at or below never ends it (one noisy window neither starts a
-verdict nor ends one). A median, not a share of windows above: with a third of the windows below, a
-rule of "3/4 of the windows above" kept restarting the count (detected after 44.5 and 56.7 s in two of
-three runs). `DegradedWatch` acts on the verdict at the entry: a
+default 3, always above 1 (a healthy stage reads about 1). A stage whose slowdown stays above the
+threshold for `after_s` seconds is degraded: from its first window above, the median of its last
+RECENT (8) evaluations must stay above too, else the count starts again; a single window at or below
+never ends it (one noisy window neither starts a verdict nor ends one). A median, not a share of
+windows above: with a third of the windows below, a rule of "3/4 of the windows above" kept restarting
+the count (detected after 44.5 and 56.7 s in two of three runs). `DegradedWatch` acts on the verdict at the entry: a
 degraded stage is handed over to a live standby through the failover's takeover and replay paths (the
 holder is asked to step down with a `handover` frame first, node/daemon.py), at most once per slot per
 `cooldown_s`
@@ -72,7 +72,7 @@ class StageFigure:
     expected_ratio: float | None = None  # its expected time over the others' (simulator or its usual share)
     slowdown: float | None = None
     slow_since: float | None = None  # monotonic time the slowdown went above the threshold
-    persistent: float | None = None  # the median slowdown since then (the figure a verdict names)
+    persistent: float | None = None  # the median of its last RECENT slowdowns (the figure a verdict names)
     degraded: bool = False
     action: str = ""  # what was done about it ("handed over to s4", "no standby: keeps serving", ...)
 
@@ -105,7 +105,7 @@ class _Stage:
         self.samples: collections.deque[_Sample] = collections.deque()
         self.ratios: collections.deque[float] = collections.deque(maxlen=120)  # healthy windows' ratios
         self.alone: collections.deque[float] = collections.deque(maxlen=120)  # healthy ms/token (no others)
-        self.since: list[float] = []  # the slowdowns evaluated since slow_since
+        self.since: collections.deque[float] = collections.deque(maxlen=RECENT)  # the last slowdowns since slow_since
 
     def fresh(self, now: float, window_s: float) -> bool:
         """Whether its last window says anything: fresh counters, long enough, enough tokens through it."""
@@ -247,9 +247,8 @@ class DegradedDetector:
             if f.slow_since is not None:
                 st.since.append(slowdown)
                 # a median of the recent evaluations at or below the threshold ends it; one noisy window never does
-                recent = st.since[-RECENT:]
-                med = statistics.median(recent)
-                if med <= self.threshold and sum(x <= self.threshold for x in recent) >= 2:
+                med = statistics.median(st.since)
+                if med <= self.threshold and sum(x <= self.threshold for x in st.since) >= 2:
                     f.slow_since, f.degraded, f.action, f.persistent = None, False, "", None
                 else:
                     f.persistent = med
