@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 # wire field -> accepted Python types (bool is never accepted as a number)
@@ -168,20 +168,27 @@ class SamplingParams:
         return replace(self, seed=seed)
 
     def to_wire(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["stop_ids"] = list(self.stop_ids)
-        for k, v in _DEFAULTS.items():  # the agent fields only when set: older frames stay what they were
-            if d[k] == v:
-                del d[k]
-        if "logit_bias" in d:
-            d["logit_bias"] = [[t, b] for t, b in self.logit_bias]
-        if "grammar" in d:
-            d["grammar"] = self.grammar
-        if self.speculate == "off":  # the wire stays as it was without speculation
-            del d["speculate"]
-            if self.draft_tokens == DEFAULT_DRAFT:
-                del d["draft_tokens"]
-        return d
+        """The wire map (a fresh top-level dict each call)."""
+        return dict(self.wire_map())
+
+    def wire_map(self) -> dict[str, Any]:
+        """The wire map itself, built once per (frozen) instance and shared (do not modify it): the same
+        parameters cross every hop of every pass (`dataclasses.asdict` cost ~50-100 us a segment)."""
+        w = self.__dict__.get("_wire")
+        if w is None:
+            w = {f: getattr(self, f) for f in _FIELDS}
+            w["stop_ids"] = list(self.stop_ids)
+            for k, v in _DEFAULTS.items():  # the agent fields only when set: older frames stay what they were
+                if w[k] == v:
+                    del w[k]
+            if "logit_bias" in w:
+                w["logit_bias"] = [[t, b] for t, b in self.logit_bias]
+            if self.speculate == "off":  # the wire stays as it was without speculation
+                del w["speculate"]
+                if self.draft_tokens == DEFAULT_DRAFT:
+                    del w["draft_tokens"]
+            object.__setattr__(self, "_wire", w)  # not a field: equality, hash and replace() ignore it
+        return w
 
     @classmethod
     def from_wire(cls, d: Any) -> "SamplingParams":

@@ -1,6 +1,7 @@
 """Frame kinds (transport/messages/): builders and parsers, and the one sampling schema."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -104,6 +105,36 @@ def test_sampling_params_round_trip():
     assert SamplingParams.from_wire(q.to_wire()) == q
     assert M.Segment.from_wire(M.Segment("x", 1, 0, 2, q).to_wire()).sample == q
     assert q.stateful and q.penalized and not p.stateful and not p.penalized
+
+
+def test_sampling_wire_map_is_built_once_and_handed_out_as_a_copy():
+    p = SamplingParams(temperature=0.5, top_k=3, top_p=0.8, seed=9, max_tokens=7, stop_ids=(1, 2))
+    want = {"temperature": 0.5, "top_k": 3, "top_p": 0.8, "seed": 9, "max_tokens": 7, "stop_ids": [1, 2]}
+    assert p.to_wire() == want and p.wire_map() is p.wire_map()
+    p.to_wire()["seed"] = 1  # a caller's copy: the next frame still says seed 9
+    assert p.to_wire() == want
+    q = replace(p, seed=5)  # a new instance: its own map, not the cached one
+    assert q.to_wire()["seed"] == 5 and p.to_wire()["seed"] == 9
+    assert p == SamplingParams.from_wire(want) and hash(p) == hash(SamplingParams.from_wire(want))
+
+
+def test_segments_of_a_frame_share_equal_sampling_params_and_each_is_still_checked():
+    def frame(samples):
+        segs = [
+            {"session": f"s{i}", "epoch": 0, "start_pos": 3, "n_tokens": 1, "sample": d} for i, d in enumerate(samples)
+        ]
+        return _roundtrip(
+            Frame.make("forward", {"prefix": np.zeros((len(segs), 4), np.float32)}, segments=segs, layer=1)
+        )
+
+    g = SamplingParams(max_tokens=9).to_wire()
+    v = M.parse_forward(frame([g, dict(g), {**g, "seed": 4}, dict(g)]))
+    a, b, c, d = (s.sample for s in v.segments)
+    assert a is b and c.seed == 4 and a.seed is None and d == a
+    with pytest.raises(ProtocolError, match=r"segment 1: sample: .*top_p"):
+        M.parse_forward(frame([g, {**g, "top_p": 7.0}]))
+    with pytest.raises(ProtocolError, match=r"segment 1: sample: unknown sampling parameter"):
+        M.parse_forward(frame([g, {**g, "nonsense": 1}]))
 
 
 def test_sampler_ids_and_logprobs_round_trip():

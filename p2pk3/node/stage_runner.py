@@ -33,6 +33,7 @@ from p2pk3.model.stage import K3Stage, StagePlan
 from p2pk3.spec.verify import verify_draft
 from p2pk3.transport.codec import Frame
 from p2pk3.transport.messages import Result, Segment, forward_frame, parse_forward
+from p2pk3.topology.sizing import loaded_weight_bytes
 
 _DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
@@ -131,6 +132,7 @@ class StageRunner:
         the checkpoint's `GrammarTokenizer` (called on the first grammar; None: requests with a grammar fail
         with a clear error)."""
         self.stage, self.cache = stage, cache
+        self.weight_bytes = loaded_weight_bytes(stage)  # the status's memory.weights (fixed once loaded)
         self.prefix = prefix
         self.grammar_tokenizer = grammar_tokenizer
         self.epochs: dict[str, int] = {}

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import time
 
-from p2pk3.topology.sizing import loaded_weight_bytes
-
 from .metrics import memory_usage
 from .prefix_setup import prefix_status
 
@@ -34,7 +32,7 @@ def node_status(d) -> dict:
         "memory": memory_usage(d.opts.device),
     }
     if d.runner is not None:  # what the planner's table sizes (p2pk3.topology.sizing)
-        st["memory"] |= {"weights": loaded_weight_bytes(d.runner.stage), "cache": d.runner.cache.bytes()}
+        st["memory"] |= {"weights": d.runner.weight_bytes, "cache": d.runner.cache.bytes()}
     if d.role in ("entry", "stage") and hasattr(d, "plan"):
         st["layers"] = [d.plan.layers[0].layer, d.plan.last_layer] if d.plan.layers else None
     try:

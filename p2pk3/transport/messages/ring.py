@@ -66,7 +66,7 @@ class Segment:
             "n_tokens": self.n_tokens,
         }
         if self.sample is not None:
-            d["sample"] = self.sample.to_wire()
+            d["sample"] = self.sample.wire_map()  # shared, not copied: the frame only encodes it
         if self.want_logits:
             d["logits"] = True
         if self.draft:
@@ -87,7 +87,9 @@ class Segment:
         return d
 
     @classmethod
-    def from_wire(cls, d: Any, where: str = "segment") -> "Segment":
+    def from_wire(cls, d: Any, where: str = "segment", same: "Segment | None" = None) -> "Segment":
+        """`same`: the frame's previous segment; its sampling parameters are reused when this segment's map is
+        their wire map (a batch's sessions mostly share theirs: one parse a frame, not one a segment)."""
         if not isinstance(d, dict):
             raise ProtocolError(f"{where}: not a map")
         check_session(d.get("session"), where)
@@ -97,7 +99,12 @@ class Segment:
         if not is_int(d.get("n_tokens")) or d["n_tokens"] <= 0:
             raise ProtocolError(f"{where}: n_tokens must be a positive integer, got {d.get('n_tokens')!r}")
         s = d.get("sample")
-        sample = sampling(s, f"{where}: sample") if s is not None else None
+        if s is None:
+            sample = None
+        elif same is not None and same.sample is not None and same.sample.wire_map() == s:
+            sample = same.sample
+        else:
+            sample = sampling(s, f"{where}: sample")
         want = d.get("logits", False)
         if not isinstance(want, bool):
             raise ProtocolError(f"{where}: logits must be a bool")
@@ -173,7 +180,10 @@ def _parse_segments(header: Mapping[str, Any]) -> list[Segment]:
     segs = header.get("segments")
     if not isinstance(segs, list) or not segs:
         raise ProtocolError(f"{header.get('kind')} frame: 'segments' must be a non-empty list")
-    return [Segment.from_wire(s, f"segment {i}") for i, s in enumerate(segs)]
+    out: list[Segment] = []
+    for i, s in enumerate(segs):
+        out.append(Segment.from_wire(s, f"segment {i}", out[-1] if out else None))
+    return out
 
 
 def _shape_of(t: Any) -> tuple[int, ...]:
@@ -342,9 +352,7 @@ class Result:
         pfrom = r.get("prompt_from", 0)
         if not is_int(pfrom) or pfrom < 0:
             raise ProtocolError(f"{where}: prompt_from must be a non-negative integer, got {pfrom!r}")
-        return cls(
-            r["session"], r["epoch"], r["pos"], r["token"], skip, rows, err, code, tuple(acc), lps, plps, pfrom
-        )
+        return cls(r["session"], r["epoch"], r["pos"], r["token"], skip, rows, err, code, tuple(acc), lps, plps, pfrom)
 
 
 def result_frame(results: Iterable[Result], logits: Any = None) -> Frame:
