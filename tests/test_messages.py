@@ -135,6 +135,10 @@ def test_segments_of_a_frame_share_equal_sampling_params_and_each_is_still_check
         M.parse_forward(frame([g, {**g, "top_p": 7.0}]))
     with pytest.raises(ProtocolError, match=r"segment 1: sample: unknown sampling parameter"):
         M.parse_forward(frame([g, {**g, "nonsense": 1}]))
+    k = SamplingParams(top_k=1, stop_ids=(2,)).to_wire()  # equal to it in Python, but a bool for a number
+    for bad in ({**k, "top_k": True}, {**k, "stop_ids": [True]}):
+        with pytest.raises(ProtocolError, match=r"segment 1: sample: .*(wrong type|stop_ids)"):
+            M.parse_forward(frame([k, bad]))
 
 
 def test_sampler_ids_and_logprobs_round_trip():

@@ -101,7 +101,7 @@ class Segment:
         s = d.get("sample")
         if s is None:
             sample = None
-        elif same is not None and same.sample is not None and same.sample.wire_map() == s:
+        elif same is not None and same.sample is not None and _same_value(same.sample.wire_map(), s):
             sample = same.sample
         else:
             sample = sampling(s, f"{where}: sample")
@@ -160,6 +160,18 @@ class Segment:
             snap=snap,
             history=tuple(history),
         )
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Equal and of the same types throughout (1 == True == 1.0 in Python, but the wire check refuses a bool
+    for a number: a map equal only that way must be parsed, not take the previous segment's parse)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_value(v, b[k]) for k, v in a.items())
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 MAX_KEY = 64  # characters of a prefix block key (p2pk3/node/prefix_match.py makes 32)
