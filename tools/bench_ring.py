@@ -26,6 +26,8 @@ import json
 import os
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -304,6 +306,20 @@ def _ceiling(model_dir: str) -> tuple[float, float]:
     return out[0], out[1]
 
 
+def parallel_capacity(n: int = 6_000_000) -> float:
+    """How much CPU work two processes get done at once, in units of one process alone (2.0: two free
+    cores; this host's two vCPUs have measured 1.2x when shared): the ceiling of every 2-node ratio."""
+    code = f"import time; t = time.perf_counter()\nfor _ in range({n}): pass\nprint(time.perf_counter() - t)"
+
+    def run(k: int) -> float:
+        ps = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(k)]
+        return statistics.mean(float(p.communicate(timeout=120)[0]) for p in ps)
+
+    alone = min(run(1) for _ in range(2))
+    together = min(run(2) for _ in range(2))
+    return 2 * alone / together
+
+
 TTFT_REPS = 5  # fresh 1,536-token prompts per ring; the TTFT figure is their median (one sample swung 0.42-0.83x)
 
 
@@ -320,7 +336,11 @@ def scaling(model_dir: str, nodes: list[int], decode_tokens: int = 48) -> dict:
     prefill_prompts = [prompt(1024) for _ in range(8)]
     decode_prompts = [prompt(16) for _ in range(16)]
     long_prompt = prompt(4096)
-    res: dict = {"load_before": os.getloadavg()}
+    res: dict = {"load_before": os.getloadavg(), "parallel_capacity": parallel_capacity()}
+    print(
+        f"   host: two CPU-bound processes at once do {res['parallel_capacity']:.2f}x the work of one "
+        "(2.00x: two free cores; the ceiling of every ratio of a ring against one node)"
+    )
     t8, t16 = _ceiling(model_dir)
     res["ceiling"] = {"step8_ms": t8, "step16_ms": t16, "ratio": t16 / t8}
     print(
@@ -385,7 +405,8 @@ def scaling(model_dir: str, nodes: list[int], decode_tokens: int = 48) -> dict:
     print(f"   tokens of the 16 decoding sessions identical on every ring: {'yes' if same else 'NO'}")
     for n in nodes:
         del res[n]["tokens"]
-    res["load_after"] = os.getloadavg()
+    res["load_after"], res["parallel_capacity_after"] = os.getloadavg(), parallel_capacity()
+    print(f"   host after: two processes at once do {res['parallel_capacity_after']:.2f}x the work of one")
     return res
 
 
