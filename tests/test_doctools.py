@@ -107,6 +107,24 @@ def test_multi_turn_conversations_keep_a_document_together():
     assert agent.paraphrased(ITEMS, 0)[0][0][1]["content"] == ITEMS[0][2]
 
 
+def test_section_questions_are_reworded_as_a_user_would_ask_them():
+    items = [
+        ("py-section", "Tell me about The with statement.", "Wraps a block.", "py/reference/compound_stmts"),
+        ("py-section", "Tell me about Logging.", "How to log.", "py/howto/logging"),
+    ]
+    for seed in range(8):
+        (stmt, _), (section, _) = agent.paraphrased(items, seed)
+        assert stmt[0]["content"] in (
+            "What does the with statement do?",
+            "What is the with statement?",
+            "How does the with statement work?",
+            "Explain the with statement.",
+        )
+        assert stmt[1]["content"] == "Wraps a block."
+        assert section[0]["content"] in ("What is Logging?", "Explain Logging.", "What can you tell me about Logging?")
+        assert section[1]["content"] == "How to log."
+
+
 class ScriptedModel:
     """Stands in for the model's choices (which a test cannot make a small trained model take): the first
     generation of a turn is a tool call written in the checkpoint's own format, the second a plain answer.

@@ -124,17 +124,36 @@ def multi_turn(items, seed: int) -> list[tuple[list[dict], None]]:
 _REWORD = {
     "do?": ("Explain {x}.", "What is {x} used for?", "How does {x} work?", "Describe {x}."),
     "is": ("Explain {x}.", "Describe {x}.", "What can you tell me about {x}?"),
+    "section": ("What is {x}?", "Explain {x}.", "What can you tell me about {x}?"),
+    "statement": ("What does {x} do?", "What is {x}?", "How does {x} work?", "Explain {x}."),
 }
 
 
+def _section_subject(heading: str) -> str:
+    """ "The with statement" -> "the with statement": a heading as the subject of a question."""
+    first, _, rest = heading.partition(" ")
+    return f"{first.lower()} {rest}" if first in ("The", "A", "An") and rest else heading
+
+
 def paraphrased(items, seed: int) -> list[tuple[list[dict], None]]:
-    """One rewording of each "What does X do?" / "What is X?" question, the same answer."""
+    """One rewording of each "What does X do?" / "What is X?" / "Tell me about X." question, the same answer
+    (a section on a statement is also asked as "What does the with statement do?")."""
     rng = random.Random(seed)
     out = []
     for _, q, a, _ in items:
         m = re.match(r"^What does (.+) do\?$", q)
         forms = _REWORD["do?"] if m else _REWORD["is"]
         m = m or re.match(r"^What is (.+)\?$", q)
+        if not m and (m := re.match(r"^Tell me about (.+)\.$", q)):
+            x = _section_subject(m.group(1))
+            forms = _REWORD["statement"] if re.search(r"\bstatements?$", x) else _REWORD["section"]
+            out.append(
+                (
+                    [{"role": "user", "content": rng.choice(forms).format(x=x)}, {"role": "assistant", "content": a}],
+                    None,
+                )
+            )
+            continue
         if not m:
             continue
         x = m.group(1)
