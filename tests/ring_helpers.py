@@ -102,9 +102,25 @@ class InProcessRing:
         """Until the entry's failure detector has seen every slot up (stages that load slowly)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while (problem := self.entry.coordinator.health()) is not None:
+        while (problem := self._unhealthy()) is not None:
             assert loop.time() < deadline, f"ring not healthy after {timeout} s: {problem}"
             await asyncio.sleep(0.1)
+
+    def _unhealthy(self) -> str | None:
+        """Why the ring is not healthy yet, or None. `health()` alone is not enough: it grants a slot that has
+        not answered yet a detector period's grace, so a ring checked in its first second would pass with a
+        slot never seen up, and that slot refuses the next request ("not reachable") once the grace is over."""
+        entry = self.entry
+        problem = entry.coordinator.health()
+        if problem is not None:
+            return str(problem)
+        for s in entry.topo.active:
+            if s.id == entry.slot_id:
+                continue
+            ps = entry.monitor.state(s.id)
+            if ps is None or ps.state != "up":
+                return f"slot {s.id} not seen up yet ({ps.reason if ps else 'not watched yet'})"
+        return None
 
 
 class LoopThread:

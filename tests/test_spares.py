@@ -89,6 +89,8 @@ def test_a_spare_on_any_port_joins_and_takes_the_next_failure_without_a_standby_
             got: list[int] = []
             task = asyncio.create_task(c.generate(prompt, SamplingParams(max_tokens=n), on_token=got.append))
             while len(got) < 4:
+                if task.done():  # refused or failed before its fourth token: say why instead of waiting
+                    raise AssertionError(f"the request ended after {len(got)} tokens: {task.result()!r}")
                 await asyncio.sleep(0.01)
             await victim.stop("killed by the test")
             r = await asyncio.wait_for(task, 90)
