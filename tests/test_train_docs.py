@@ -183,3 +183,44 @@ def test_warm_start_computes_what_the_exported_checkpoint_computes(tmp_path):
     cold.eval()
     with torch.inference_mode():
         assert not torch.allclose(forward_batch(cold, x), want, atol=1e-2)
+
+
+def test_a_warm_start_counts_every_run_its_weights_went_through(tmp_path):
+    """training_runs.json (tools/trainlib/lineage.py): an export from scratch lists one run; a warm start from
+    it that exports into the same folder lists both, the model card sums them, and finishing again counts the
+    run once. The oracle is the step counts and shapes of ARGS, multiplied out here."""
+    from tools.trainlib import lineage
+
+    cache = synthetic_corpus(tmp_path)
+    model = tmp_path / "model"
+    assert td.main(ARGS + ["--run", str(tmp_path / "a"), "--corpus", str(cache), "--export", str(model)]) == 0
+    text, chat = 6 * 4 * 64, 4 * 4 * 64  # --steps 6 / --chat-steps 4 of --batch 4 x --seq 64
+    one = json.loads((model / lineage.FILE).read_text())
+    assert [(r["warm_start"], r["text_tokens"], r["chat_tokens"]) for r in one] == [(False, text, chat)]
+    warm = ARGS + ["--run", str(tmp_path / "b"), "--corpus", str(cache), "--init-from", str(model)]
+    assert td.main(warm + ["--steps", "3", "--chat-steps", "2", "--export", str(model)]) == 0
+    two = json.loads((model / lineage.FILE).read_text())
+    assert [(r["warm_start"], r["text_tokens"], r["chat_tokens"]) for r in two] == [
+        (False, text, chat),
+        (True, text // 2, chat // 2),
+    ]
+    card = (model / "README.md").read_text()
+    assert f"seen {(text + text // 2) / 1e6:.2f}M tokens of text" in card and "in 2 runs" in card
+    td.finish(tmp_path / "b", model)  # again: the earlier runs come from the run's own record, not the export
+    assert json.loads((model / lineage.FILE).read_text()) == two
+
+
+def test_tuned_defaults_are_named_in_the_model_card(tmp_path):
+    from tools.model_card import refresh_sampling_line
+    from tools.tune_defaults import write_defaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False, "repetition_penalty": 1.0}))
+    (tmp_path / "README.md").write_text(
+        "## Sampling defaults\n\n`generation_config.json`: greedy, repetition penalty 1.0, chosen by measurement on"
+        " validation questions\n"
+    )
+    write_defaults(tmp_path, 0.7, 0.9, 1.2)
+    card = (tmp_path / "README.md").read_text()
+    assert "`generation_config.json`: temperature 0.7, top_p 0.9, repetition penalty 1.2, chosen by measurement" in card
+    assert "1.0" not in card
+    assert not refresh_sampling_line(tmp_path / "nowhere")

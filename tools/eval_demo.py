@@ -120,8 +120,12 @@ def questions(split: dict[str, dict[str, str]]) -> list[dict]:
     return out
 
 
-def evaluate_export(run: str | Path, export_dir: str | Path, master, state: dict, a, ring: int = 0) -> dict:
-    """Called by tools/train_docs.py after the export: every number of the model card."""
+def evaluate_export(
+    run: str | Path, export_dir: str | Path, master, state: dict, a, ring: int = 0, earlier_runs: list[dict] = ()
+) -> dict:
+    """Called by tools/train_docs.py after the export: every number of the model card. `earlier_runs`: the
+    training runs of the checkpoint a warm start continued (tools/trainlib/lineage.py); this run is added."""
+    from tools.trainlib import lineage
     from p2pk3.tokenizer import load_tokenizer
 
     run, export_dir = Path(run), Path(export_dir)
@@ -171,6 +175,17 @@ def evaluate_export(run: str | Path, export_dir: str | Path, master, state: dict
         "val_loss": state["hist"]["pretrain"]["val_loss"][-1],
         "chat_val_answer_loss": state["hist"]["chat"]["val_loss"][-1] if state["hist"]["chat"]["val_loss"] else None,
     }
+    finished = Path(run, "master.pt").stat().st_mtime if Path(run, "master.pt").exists() else time.time()
+    m["runs"] = list(earlier_runs) + [
+        lineage.this_run(
+            time.strftime("%Y-%m-%d", time.gmtime(finished)),
+            bool(getattr(a, "init_from", None)),
+            m["train"]["steps"],
+            a,
+            sum(state["elapsed"].values()) / 60,
+        )
+    ]
+    lineage.write(export_dir, m["runs"])
     m["data"] = {k: {"documents": len(v), "chars": sum(len(t) for t in v.values())} for k, v in split.items()}
     m["chat_pairs_train"] = len(doc_corpus.qa_pairs(split["train"]))
     m["train_tokens"] = sum(len(tok.encode(v)) + 2 for v in split["train"].values())  # [BOS] doc [EOS]

@@ -7,9 +7,7 @@ from pathlib import Path
 
 from p2pk3.model.config import K3Config
 
-# The run the shipped model of 2026-12-01 came from (docs/quality.md): what a warm start continues.
-PRIOR_TOKENS = 1_370_112  # phase-1 tokens: 669 steps x 8 x 256
-PRIOR_MINUTES = 76
+from tools.trainlib import lineage
 
 
 def _q_rows(qs: list[dict]) -> str:
@@ -36,6 +34,31 @@ def architecture_table(c: K3Config) -> str:
 | routed experts on disk | MXFP4 (compressed-tensors `mxfp4-pack-quantized`) | same |"""
 
 
+def sampling_line(out_dir: Path) -> str:
+    """The card's line on the sampling defaults, from the model's generation_config.json as it is now."""
+    gen = json.loads((Path(out_dir) / "generation_config.json").read_text())
+    defaults = (
+        f"temperature {gen.get('temperature')}, top_p {gen.get('top_p')}" if gen.get("do_sample") else "greedy"
+    ) + f", repetition penalty {gen.get('repetition_penalty', 1.0)}"
+    return f"`generation_config.json`: {defaults}"
+
+
+def refresh_sampling_line(out_dir: str | Path) -> bool:
+    """After tools/tune_defaults.py --write changed generation_config.json: the card says the new defaults.
+    False when the card has no such line (a card of another layout)."""
+    card = Path(out_dir) / "README.md"
+    if not card.exists():
+        return False
+    lines = card.read_text().split("\n")
+    for i, line in enumerate(lines):
+        if line.startswith("`generation_config.json`: "):
+            head, sep, rest = line.partition(", chosen by measurement")
+            lines[i] = sampling_line(Path(out_dir)) + sep + rest
+            card.write_text("\n".join(lines))
+            return True
+    return False
+
+
 def write_card(out_dir: str | Path, m: dict) -> None:
     out_dir = Path(out_dir)
     c = K3Config.from_pretrained(out_dir)
@@ -50,17 +73,16 @@ def write_card(out_dir: str | Path, m: dict) -> None:
     )
     chars = {k: v["chars"] / 1e6 for k, v in d.items()}
     warm = a.get("init_from")
-    prior = PRIOR_TOKENS if warm else 0
-    seen = (tr["tokens_seen_pretrain"] + prior) / 1e6
-    gen = json.loads((out_dir / "generation_config.json").read_text())
-    defaults = (
-        f"temperature {gen.get('temperature')}, top_p {gen.get('top_p')}" if gen.get("do_sample") else "greedy"
-    ) + f", repetition penalty {gen.get('repetition_penalty', 1.0)}"
+    runs = m["runs"]
+    tot = lineage.totals(runs)
+    seen = tot["text_tokens"] / 1e6
+    earlier = lineage.totals(runs[:-1])
     history = (
-        f"trained on 2 CPU cores in two runs: {PRIOR_MINUTES} minutes from scratch, then "
-        f"{tr['minutes']['pretrain'] + tr['minutes']['chat']:.0f} minutes continued from that checkpoint"
-        if warm
-        else f"trained from scratch on 2 CPU cores in {tr['minutes']['pretrain'] + tr['minutes']['chat']:.0f} minutes"
+        f"trained on 2 CPU cores in {tot['runs']} runs ({tot['minutes']} minutes; "
+        + ", then ".join(f"{r['minutes']} min" + ("" if r["warm_start"] else " from scratch") for r in runs)
+        + ", each continuing the last)"
+        if len(runs) > 1
+        else f"trained from scratch on 2 CPU cores in {tot['minutes']} minutes"
     )
     card = f"""# k3-docs
 
@@ -71,7 +93,7 @@ of p2pk3 ({m["export_bytes"] / 1e6:.1f} MB): every code path of the engine (KDA,
 LatentMoE with MXFP4 experts) and of the chat and agent front ends runs on it.
 
 It is a small demo, far from trained out: it has seen {seen:.2f}M tokens of text (its training split has
-{m["train_tokens"] / 1e6:.2f}M) and the validation loss was still falling. It writes documentation-style
+{m["train_tokens"] / 1e6:.2f}M) and {tot["chat_tokens"] / 1e6:.2f}M of chat-phase rows, and the validation loss was still falling. It writes documentation-style
 English and answers in the chat format, but its answers are often generic or wrong (see the questions
 below); do not expect facts. It calls its two tools in K3's format (below).
 
@@ -87,7 +109,7 @@ return the calls to the client.
 
 ## Sampling defaults
 
-`generation_config.json`: {defaults}, chosen by measurement on validation questions (tools/tune_defaults.py;
+{sampling_line(out_dir)}, chosen by measurement on validation questions (tools/tune_defaults.py;
 the table is in docs/quality.md). Every front end applies them unless a request sets its own.
 
 ## Architecture (K3 layout, shrunk)
@@ -119,7 +141,9 @@ CPython's `pydoc_data.topics`, which overlaps the language-reference part of the
 `python -m tools.train_docs --minutes {a["minutes"]:g} --chat-minutes {a["chat_minutes"]:g} --run runs/k3-docs --export p2pk3/assets/k3-docs`{
         f" --init-from {warm}" if warm else ""}
 (seed {a["seed"]}, resumable with `--resume`){
-        f"; warm-started from the previous export ({prior / 1e6:.2f}M tokens, {PRIOR_MINUTES} min)" if warm else ""
+        f"; warm-started from the previous export ({earlier['text_tokens'] / 1e6:.2f}M tokens of text and "
+        f"{earlier['chat_tokens'] / 1e6:.2f}M of chat rows in {earlier['runs']} runs, {earlier['minutes']} min; "
+        f"`{lineage.FILE}` lists every run)" if warm else ""
     }. Phase 1: {tr["steps"]["pretrain"]} AdamW steps of {a["batch"]} x {a["seq"]}
 tokens of text (warmup + cosine, peak lr {a["lr"]:g}, weight decay {a["wd"]:g}), {tr["minutes"]["pretrain"]:.0f} min.
 Phase 2: {tr["steps"]["chat"]} steps of {a.get("chat_batch") or a["batch"]} x {a.get("chat_seq") or a["seq"]} tokens on

@@ -48,6 +48,7 @@ from p2pk3.model.stage import K3Stage, StagePlan  # noqa: E402
 from p2pk3_kernels import kda_ref  # noqa: E402
 from tools import doc_corpus  # noqa: E402
 from tools.trainlib.balance import RouterTap, imbalance, qb_update  # noqa: E402
+from tools.trainlib import lineage  # noqa: E402
 from tools.trainlib.evaluate import forward_batch  # noqa: E402
 from tools.trainlib.export import export  # noqa: E402
 from tools.trainlib.model import canonical_state_dict, config_from_args, init_stage, moe_layers  # noqa: E402
@@ -262,6 +263,7 @@ def train(a) -> int:
     if a.init_from and ck is None:
         n = load_export(stage, a.init_from)
         log(f"warm start from {a.init_from}: {n} tensors", fh)
+        lineage.write(run, lineage.runs_before(a.init_from))  # before an export into the same folder replaces it
     stage.train()
     decay = [p for n, p in stage.named_parameters() if p.requires_grad and p.dim() >= 2 and "embed" not in n]
     no_decay = [p for n, p in stage.named_parameters() if p.requires_grad and not (p.dim() >= 2 and "embed" not in n)]
@@ -464,11 +466,15 @@ def finish(run: str | Path, export_dir: str | Path, ring: int = 0) -> dict:
     mk = torch.load(run / "master.pt", weights_only=False)
     cfg = K3Config.from_hf_dict(mk["config"])
     a = argparse.Namespace(**mk["args"])
+    # what a warm start continued: recorded in the run when it started, else read before the export replaces it
+    if not (run / lineage.FILE).exists():  # a run started before lineage: recorded once, so finishing twice counts once
+        lineage.write(run, lineage.runs_before(getattr(a, "init_from", None)))
+    earlier = lineage.runs_before(run)
     export(export_dir, cfg, mk["state_dict"], run / "tokenizer", {}, [])
     master = K3Stage(cfg, StagePlan.whole(cfg))  # the training module: float master experts, QAT forward
     init_stage(master, 0)
     master.load_state_dict(mk["stage"] if "stage" in mk else torch.load(run / "ckpt.pt", weights_only=False)["stage"])
-    metrics = evaluate_export(run, export_dir, master, mk["state"], a, ring=ring)
+    metrics = evaluate_export(run, export_dir, master, mk["state"], a, ring=ring, earlier_runs=earlier)
     (run / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics
 

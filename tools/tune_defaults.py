@@ -198,6 +198,9 @@ def write_defaults(model_dir: Path, temp: float, top_p: float, rep: float) -> No
         gen.pop("temperature", None)
         gen.pop("top_p", None)
     p.write_text(json.dumps(gen, indent=2) + "\n")
+    from tools.model_card import refresh_sampling_line
+
+    refresh_sampling_line(model_dir)  # the model card names the defaults it ships with
 
 
 def figures(model: Answerer, held_qs, tprompts) -> dict:
