@@ -121,8 +121,13 @@ def test_json_schema_and_chat_logprobs(client, ref, prompts):
     assert r.choices[0].finish_reason == "stop"
     lps = r.choices[0].logprobs.content
     assert "".join(t.token for t in lps) == text and all(len(t.top_logprobs) == 3 for t in lps)
-    # the single-process engine, same prompt path and parameters
-    p = SamplingParams(max_tokens=400, stop_ids=prompts.tok.stop_ids, grammar=rf(DOC), frequency_penalty=1.0, logprobs=3)
+    # the single-process engine, same prompt path and parameters: the request sets no repetition penalty, so
+    # the API applies the model's generation_config default (1.2 for the shipped model), and so must this
+    rep = prompts.tok.generation_defaults.repetition_penalty
+    p = SamplingParams(
+        max_tokens=400, stop_ids=prompts.tok.stop_ids, grammar=rf(DOC), frequency_penalty=1.0, logprobs=3,
+        repetition_penalty=rep,
+    )
     want = ref.generate([prompts.chat_ids(msgs)], p)[0]
     assert prompts.answer_text(want) == text
     assert [t.logprob for t in lps] == pytest.approx([e.logprob for e in ref.last_logprobs[0][: len(lps)]], abs=1e-3)
