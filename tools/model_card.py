@@ -52,7 +52,7 @@ def refresh_sampling_line(out_dir: str | Path) -> bool:
     lines = card.read_text().split("\n")
     for i, line in enumerate(lines):
         if line.startswith("`generation_config.json`: "):
-            head, sep, rest = line.partition(", chosen by measurement")
+            _, sep, rest = line.partition(", chosen by measurement")
             lines[i] = sampling_line(Path(out_dir)) + sep + rest
             card.write_text("\n".join(lines))
             return True
