@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import random
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -113,16 +114,44 @@ def test_section_questions_are_reworded_as_a_user_would_ask_them():
         ("py-section", "Tell me about Logging.", "How to log.", "py/howto/logging"),
     ]
     for seed in range(8):
-        (stmt, _), (section, _) = agent.paraphrased(items, seed)
-        assert stmt[0]["content"] in (
+        *stmts, (section, _) = agent.paraphrased(items, seed)
+        assert [m[0]["content"] for m, _ in stmts] == [  # a statement in every wording, the README's among them
             "What does the with statement do?",
             "What is the with statement?",
             "How does the with statement work?",
             "Explain the with statement.",
-        )
-        assert stmt[1]["content"] == "Wraps a block."
+        ]
+        assert all(m[1]["content"] == "Wraps a block." for m, _ in stmts)
         assert section[0]["content"] in ("What is Logging?", "Explain Logging.", "What can you tell me about Logging?")
         assert section[1]["content"] == "How to log."
+
+
+def test_renamed_conversations_can_only_be_answered_by_copying_the_made_up_name():
+    items = ITEMS + [
+        ("man", "What does the ldd command do?", "ldd prints the shared objects; see ldd.so.", "man/ldd.1")
+    ]
+    tools = DocTools(agent.doc_index(items))
+    known = {n for table in tools.index.values() for n in table}
+    seen = {"pair": 0, "call": 0}
+    for it in items:
+        for seed in range(6):
+            for msgs, t in agent.renamed([it], tools, seed):
+                tool, new = agent.item_key(it[0], msgs[0]["content"])
+                assert new not in known and it[1] != msgs[0]["content"]  # the question is about a made-up name
+                if t is None:  # a pair whose answer names its subject: the made-up name, never the real one
+                    seen["pair"] += 1
+                    assert msgs[1]["content"] == it[2].replace("ldd ", new + " ", 1)  # `ldd.so` is another name
+                else:
+                    seen["call"] += 1
+                    call = msgs[1]["tool_calls"][0]["function"]
+                    assert (call["name"], json.loads(call["arguments"])) == (tool, {"name": new})
+                    assert new in msgs[3]["content"] or tool == "python_doc"
+    assert seen["pair"] == 2 * 6 and seen["call"] == 6 * sum(agent.item_key(k, q) is not None for k, q, _, _ in items)
+    rng = random.Random(0)
+    for name in ("re.sub", "PyCodec_Unregister", "memusage", "os.path.join", "x"):
+        fake = agent.fake_name(name, rng)
+        assert fake != name and fake.count(".") == name.count(".") and fake.count("_") == name.count("_")
+        assert fake.startswith("Py") == name.startswith("Py")
 
 
 class ScriptedModel:

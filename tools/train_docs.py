@@ -124,13 +124,14 @@ def chat_set(tok, pairs, seed: int) -> list[tuple[list[int], list[int]]]:
 
 
 def conversation_set(tok, items, index: dict, seed: int) -> list[tuple[list[int], list[int]]]:
-    """Tool conversations, multi-turn conversations and reworded questions (tools/doc_corpus/agent.py)."""
+    """Tool conversations, multi-turn conversations, reworded questions and the same about made-up names
+    (tools/doc_corpus/agent.py)."""
     from p2pk3.agent.doctools import DocTools
     from tools.doc_corpus import agent
 
     rng = random.Random(seed)
     convs = agent.tool_conversations(items, DocTools(index), seed) + agent.multi_turn(items, seed)
-    convs += agent.paraphrased(items, seed)
+    convs += agent.paraphrased(items, seed) + agent.renamed(items, DocTools(index), seed)
     out = []
     for msgs, tools in convs:
         if rng.random() < QUESTION_SYSTEM_RATE:

@@ -4,6 +4,7 @@
     tool_conversations(items, DocTools(index), seed) # [(messages, tools)]: call a tool, read it, answer
     multi_turn(items, seed)                          # [(messages, None)]: 2-3 questions on one document
     paraphrased(items, seed)                         # [(messages, None)]: the same answers, other wordings
+    renamed(items, DocTools(index), seed)            # [(messages, tools)]: the same, about a made-up name
 
 `items` are `qa._qa_items` rows (kind, question, answer, document). Every conversation ends with an
 assistant turn; the loss of tools/train_docs.py is on the assistant turns only. A tool conversation declares
@@ -11,6 +12,11 @@ both tools, the assistant calls the one that fits the question (`python_doc` for
 backticks or a module, `man_page` for a command, system call, C function or device), the tool turn shows
 what `p2pk3.agent.doctools.DocTools` returns, and the final answer restates that result. One in six asks
 about a Python name and a manual page at once and gets two calls in one section.
+
+`renamed` teaches copying: a name the model has never seen can only be written by copying it from the
+question. It takes every tool conversation once and the question/answer pairs whose answer names their
+subject twice, and replaces the name everywhere (question, call, tool result, answer) with a random
+one of the same shape (`re.sub` -> `fo.zamir`, `memusage` -> `kelbarot`).
 """
 
 from __future__ import annotations
@@ -136,8 +142,8 @@ def _section_subject(heading: str) -> str:
 
 
 def paraphrased(items, seed: int) -> list[tuple[list[dict], None]]:
-    """One rewording of each "What does X do?" / "What is X?" / "Tell me about X." question, the same answer
-    (a section on a statement is also asked as "What does the with statement do?")."""
+    """One rewording of each "What does X do?" / "What is X?" / "Tell me about X." question, the same answer;
+    a section on a statement in every wording of a statement ("What does the with statement do?", ...)."""
     rng = random.Random(seed)
     out = []
     for _, q, a, _ in items:
@@ -146,13 +152,12 @@ def paraphrased(items, seed: int) -> list[tuple[list[dict], None]]:
         m = m or re.match(r"^What is (.+)\?$", q)
         if not m and (m := re.match(r"^Tell me about (.+)\.$", q)):
             x = _section_subject(m.group(1))
-            forms = _REWORD["statement"] if re.search(r"\bstatements?$", x) else _REWORD["section"]
-            out.append(
-                (
-                    [{"role": "user", "content": rng.choice(forms).format(x=x)}, {"role": "assistant", "content": a}],
-                    None,
-                )
-            )
+            if re.search(r"\bstatements?$", x):  # every wording: the README's own question is one of them
+                picked = _REWORD["statement"]
+            else:
+                picked = (rng.choice(_REWORD["section"]),)
+            for form in picked:
+                out.append(([{"role": "user", "content": form.format(x=x)}, {"role": "assistant", "content": a}], None))
             continue
         if not m:
             continue
@@ -160,4 +165,64 @@ def paraphrased(items, seed: int) -> list[tuple[list[dict], None]]:
         out.append(
             ([{"role": "user", "content": rng.choice(forms).format(x=x)}, {"role": "assistant", "content": a}], None)
         )
+    return out
+
+
+_SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
+
+
+def fake_name(name: str, rng: random.Random) -> str:
+    """A made-up name of `name`'s shape: each dotted and underscored part replaced by random syllables of
+    about its length, its capitals kept (`PyCodec_Unregister` -> `PyVuse_Bimarotal`); never `name` itself."""
+
+    def word(w: str) -> str:
+        if w in ("Py", "") or w.isdigit():
+            return w
+        n = max(1, round(len(w) / 2))
+        out = "".join(rng.choice(_SYLLABLES) for _ in range(n))[: max(2, len(w))]
+        return out.capitalize() if w[0].isupper() else out
+
+    def part(p: str) -> str:
+        pre = "Py" if p.startswith("Py") and p[2:3].isupper() else ""
+        return pre + "_".join(word(w) for w in p[len(pre) :].split("_"))
+
+    while (new := ".".join(part(p) for p in name.split("."))) == name:
+        pass
+    return new
+
+
+def _swap(text: str, name: str, new: str) -> str:
+    """`name` replaced where it stands as a whole name (not in `ldd.so`, `xldd`; a sentence's final dot is fine)."""
+    return re.sub(r"(?<![\w.])" + re.escape(name) + r"(?!\w|\.\w)", lambda _: new, text)
+
+
+def renamed(items, tools: DocTools, seed: int) -> list[tuple[list[dict], list[dict] | None]]:
+    """Conversations about made-up names (module doc): the answer can only name its subject by copying."""
+    rng = random.Random(seed)
+    out: list[tuple[list[dict], list[dict] | None]] = []
+    for kind, q, a, _ in items:
+        k = item_key(kind, q)
+        if k is None:
+            continue
+        tool, name = k
+        named = _swap(a, name, "") != a
+        if named:  # the answer names its subject: twice, with two made-up names
+            for _ in range(2):
+                new = fake_name(name, rng)
+                msgs = [
+                    {"role": "user", "content": _swap(q, name, new)},
+                    {"role": "assistant", "content": _swap(a, name, new)},
+                ]
+                out.append((msgs, None))
+        # every tool conversation: the call's argument is copied from the question
+        new = fake_name(name, rng)
+        result = _swap(tools.lookup(tool, name), name, new)
+        msgs = [
+            {"role": "user", "content": _swap(q, name, new)},
+            {"role": "assistant", "content": "", "tool_calls": [_call(0, tool, new)]},
+            {"role": "tool", "tool_call_id": f"functions.{tool}:0", "content": result},
+            {"role": "assistant", "content": _restate(tool, new, result)},
+        ]
+        out.append((msgs, SCHEMAS))
+    rng.shuffle(out)
     return out
