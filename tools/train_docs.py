@@ -59,6 +59,7 @@ TRAIN_CHUNK = 16
 VAL_CHAT_ROWS = 64  # validation answer loss over the first 64 packed rows (a fixed set; ~30 s)
 SYSTEM_PROMPT = "You are a helpful assistant that knows the Python documentation and the Linux manual pages."
 QUESTION_SYSTEM_RATE = 0.3  # fraction of chat examples rendered with the system prompt (the REPL sends none)
+RENAMED_COPIES = 2  # conversations about made-up names (agent.renamed), each with other names: ~40 % of the chat set
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -131,7 +132,8 @@ def conversation_set(tok, items, index: dict, seed: int) -> list[tuple[list[int]
 
     rng = random.Random(seed)
     convs = agent.tool_conversations(items, DocTools(index), seed) + agent.multi_turn(items, seed)
-    convs += agent.paraphrased(items, seed) + agent.renamed(items, DocTools(index), seed)
+    convs += agent.paraphrased(items, seed)
+    convs += [c for k in range(RENAMED_COPIES) for c in agent.renamed(items, DocTools(index), seed + k)]
     out = []
     for msgs, tools in convs:
         if rng.random() < QUESTION_SYSTEM_RATE:
