@@ -84,9 +84,10 @@ class Run:
                 text.extend(c.get("text", "") for c in d.get("choices", []))
         return "".join(text)
 
-    async def worker(self, s, w: int, end: float, gaps: list) -> None:
+    async def worker(self, s, w: int, end: float | None, gaps: list) -> None:
+        """Requests until `end`, or with None until `self.end` (the chaos, which `--faults` may cut short)."""
         i = w
-        while time.time() < end:
+        while time.time() < (self.end if end is None else end):
             try:
                 got = await self.one(s, i, gaps)
                 self.done += 1
@@ -220,14 +221,16 @@ class Run:
                 self.say("the undisturbed run itself differed from the reference or failed")
             self.done = self.wrong = 0
             self.t0 = time.time()
-            end = self.t0 + 60 * a.minutes
-            workers = [asyncio.create_task(self.worker(s, w, end, self.gaps)) for w in range(a.sessions)]
+            self.end = self.t0 + 60 * a.minutes
+            workers = [asyncio.create_task(self.worker(s, w, None, self.gaps)) for w in range(a.sessions)]
             rng, k = random.Random(a.seed), 0
             await asyncio.sleep(a.quiet_s)
-            while time.time() < end - a.quiet_s and (a.faults is None or k < a.faults):
+            while time.time() < self.end - a.quiet_s and (a.faults is None or k < a.faults):
                 await self.fault(FAULTS[k % len(FAULTS)])
                 k += 1
                 await asyncio.sleep(rng.uniform(0.5, 1.5) * a.quiet_s)
+            if a.faults is not None and k == a.faults:  # the last fault's quiet period was the run's end
+                self.end = min(self.end, time.time())
             await asyncio.wait_for(asyncio.gather(*workers), 600)
         # a gap is outside the windows when it neither ends nor began in one (nor spans one)
         calm = [g for t, g in self.gaps if not any(t - g <= w1 and t >= w0 for w0, w1 in self.windows)]
@@ -265,7 +268,13 @@ def main() -> int:
     ap.add_argument("--slow-duty", type=float, default=0.25, help="share of the time the slowed stage runs")
     ap.add_argument("--cut-s", type=float, default=10.0)
     ap.add_argument("--max-p99-ratio", type=float, default=1.5)
-    ap.add_argument("--faults", type=int, default=None, help="stop after this many faults (default: until the end)")
+    ap.add_argument(
+        "--faults",
+        type=int,
+        default=None,
+        help="end the run a quiet period after this many faults, --minutes being then the most it may take "
+        "(default: faults until --minutes are over)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--node-arg", action="append", default=[], help="extra `p2pk3 node` argument (repeatable)")
     a = ap.parse_args()

@@ -71,6 +71,11 @@ _DEFAULTS = {
 }
 
 
+def renamed_line(a: dict) -> str:
+    n = a.get("renamed_copies") or 0
+    return f"; the tool conversations and self-naming answers {n}x again about made-up names" if n else ""
+
+
 def budget_flags(a: dict) -> str:
     """The training options of a run (its `args`) as train_docs flags: the time budgets, and the steps,
     learning rates, warmup and chat rows where they were not the defaults."""
@@ -178,9 +183,10 @@ tokens of text (warmup + cosine, peak lr {a["lr"]:g}, weight decay {a["wd"]:g}),
 Phase 2: {tr["steps"]["chat"]} steps of {a.get("chat_batch") or a["batch"]} x {a.get("chat_seq") or a["seq"]} tokens on
 {m["chat_pairs_train"]} question/answer pairs built from the train documents (a defined name or heading -> "What does X
 do?" / "What is X?", its first paragraph -> the answer), the same questions reworded, 2-3 questions on one document as
-one multi-turn conversation, tool conversations (call the right tool, read its result, restate it; one in six
-calls both tools), and the tool conversations and self-naming answers again about made-up names (the name can only
-be copied from the question), rendered with the chat template (30% with a system prompt), loss on the assistant turns only, a
+one multi-turn conversation, and tool conversations (call the right tool, read its result, restate it; one in six
+calls both tools){
+        renamed_line(a)
+    }, rendered with the chat template (30% with a system prompt), loss on the assistant turns only, a
 quarter of each batch plain text, {
         tr["minutes"][
             "chat"

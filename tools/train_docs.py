@@ -59,7 +59,6 @@ TRAIN_CHUNK = 16
 VAL_CHAT_ROWS = 64  # validation answer loss over the first 64 packed rows (a fixed set; ~30 s)
 SYSTEM_PROMPT = "You are a helpful assistant that knows the Python documentation and the Linux manual pages."
 QUESTION_SYSTEM_RATE = 0.3  # fraction of chat examples rendered with the system prompt (the REPL sends none)
-RENAMED_COPIES = 2  # conversations about made-up names (agent.renamed), each with other names: ~40 % of the chat set
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -124,16 +123,17 @@ def chat_set(tok, pairs, seed: int) -> list[tuple[list[int], list[int]]]:
     ]
 
 
-def conversation_set(tok, items, index: dict, seed: int) -> list[tuple[list[int], list[int]]]:
+def conversation_set(tok, items, index: dict, seed: int, renamed: int = 0) -> list[tuple[list[int], list[int]]]:
     """Tool conversations, multi-turn conversations, reworded questions and the same about made-up names
-    (tools/doc_corpus/agent.py)."""
+    (tools/doc_corpus/agent.py); `renamed`: how many times the made-up-name set, each with other names (0: none;
+    2 made it ~40 % of the chat set in the fourth run, which did worse: docs/quality.md)."""
     from p2pk3.agent.doctools import DocTools
     from tools.doc_corpus import agent
 
     rng = random.Random(seed)
     convs = agent.tool_conversations(items, DocTools(index), seed) + agent.multi_turn(items, seed)
     convs += agent.paraphrased(items, seed)
-    convs += [c for k in range(RENAMED_COPIES) for c in agent.renamed(items, DocTools(index), seed + k)]
+    convs += [c for k in range(renamed) for c in agent.renamed(items, DocTools(index), seed + k)]
     out = []
     for msgs, tools in convs:
         if rng.random() < QUESTION_SYSTEM_RATE:
@@ -145,7 +145,9 @@ def conversation_set(tok, items, index: dict, seed: int) -> list[tuple[list[int]
 class Data:
     """Every split's token streams and chat rows, built once per run (and rebuilt identically on resume)."""
 
-    def __init__(self, run: Path, vocab: int, T: int, corpus: str | None, chat_T: int, init_from: str | None):
+    def __init__(
+        self, run: Path, vocab: int, T: int, corpus: str | None, chat_T: int, init_from: str | None, renamed: int = 0
+    ):
         from p2pk3.tokenizer import load_tokenizer
         from p2pk3.tokenizer.bpe import save_hf, train_bpe
         from tools.doc_corpus import agent
@@ -167,7 +169,10 @@ class Data:
         (run / "doc_index.json").write_text(json.dumps(self.index, ensure_ascii=False))  # shipped by export
         self.chat = {
             k: pack_rows(
-                chat_set(tok, self.pairs[k], 1) + conversation_set(tok, items[k], self.index, 3), chat_T, tok.pad_id, 2
+                chat_set(tok, self.pairs[k], 1) + conversation_set(tok, items[k], self.index, 3, renamed),
+                chat_T,
+                tok.pad_id,
+                2,
             )
             for k in ("train", "val")
         }
@@ -242,7 +247,7 @@ def train(a) -> int:
     B, T = a.batch, a.seq
     t0 = time.time()
     CB, CT = a.chat_batch or B, a.chat_seq or T
-    data = Data(run, a.vocab, T, a.corpus, CT, a.init_from)
+    data = Data(run, a.vocab, T, a.corpus, CT, a.init_from, getattr(a, "renamed_copies", 0))
     tok = data.tok
     log(
         f"data ({time.time() - t0:.0f} s): documents "
@@ -506,7 +511,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chat-batch", type=int, default=None, help="rows per chat-phase batch (default --batch)")
     ap.add_argument("--chat-seq", type=int, default=None, help="tokens per chat-phase row (default --seq)")
     ap.add_argument(
-        "--init-from", default=None, help="warm start from this checkpoint (e.g. p2pk3/assets/k3-docs): weights, tokenizer"
+        "--init-from",
+        default=None,
+        help="warm start from this checkpoint (e.g. p2pk3/assets/k3-docs): weights, tokenizer",
     )
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--chat-lr", type=float, default=1e-3)
@@ -519,6 +526,12 @@ def main(argv: list[str] | None = None) -> int:
         "--chat-steps", type=int, default=None, help="fixed phase-2 steps instead of fitting --chat-minutes"
     )
     ap.add_argument("--stop-after-steps", type=int, default=None, help="stop (with a checkpoint) after N steps")
+    ap.add_argument(
+        "--renamed-copies",
+        type=int,
+        default=0,
+        help="chat phase: add the conversations about made-up names (doc_corpus.agent.renamed) this many times",
+    )
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args(argv)
     if a.finish:
