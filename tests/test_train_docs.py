@@ -229,3 +229,13 @@ def test_tuned_defaults_are_named_in_the_model_card(tmp_path):
     assert "`generation_config.json`: temperature 0.7, top_p 0.9, repetition penalty 1.2, chosen by measurement" in card
     assert "1.0" not in card
     assert not refresh_sampling_line(tmp_path / "nowhere")
+
+
+def test_the_model_card_command_names_every_option_a_run_changed():
+    from tools.model_card import budget_flags
+
+    run = {"minutes": 60.0, "chat_minutes": 36.0, "steps": 60, "chat_steps": None, "lr": 5e-4, "chat_lr": 1e-3}
+    run |= {"warmup": 20, "chat_batch": 4, "chat_seq": 512, "renamed_copies": 2}
+    want = "--minutes 60 --chat-minutes 36 --steps 60 --lr 0.0005 --warmup 20 --chat-batch 4 --chat-seq 512"
+    assert budget_flags(run) == want + " --renamed-copies 2"  # chat_lr is the default, chat_steps unset
+    assert budget_flags({"minutes": 75.0, "chat_minutes": 15.0, "lr": 3e-3}) == "--minutes 75 --chat-minutes 15"

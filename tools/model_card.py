@@ -68,6 +68,7 @@ _DEFAULTS = {
     "warmup": 50,
     "chat_batch": None,
     "chat_seq": None,
+    "renamed_copies": 0,
 }
 
 
@@ -78,7 +79,7 @@ def renamed_line(a: dict) -> str:
 
 def budget_flags(a: dict) -> str:
     """The training options of a run (its `args`) as train_docs flags: the time budgets, and the steps,
-    learning rates, warmup and chat rows where they were not the defaults."""
+    learning rates, warmup, chat rows and made-up-name copies where they were not the defaults."""
     out = [f"--minutes {a['minutes']:g}", f"--chat-minutes {a['chat_minutes']:g}"]
     for k, default in _DEFAULTS.items():
         v = a.get(k)
@@ -121,9 +122,7 @@ of p2pk3 ({m["export_bytes"] / 1e6:.1f} MB): every code path of the engine (KDA,
 LatentMoE with MXFP4 experts) and of the chat and agent front ends runs on it.
 
 It is a small demo, far from trained out: it has seen {seen:.2f}M tokens of text (its training split has
-{m["train_tokens"] / 1e6:.2f}M) and {
-        tot["chat_tokens"]
-        / 1e6:.2f}M of chat-phase rows, and the validation loss was still falling. It writes documentation-style
+{m["train_tokens"] / 1e6:.2f}M) and {tot["chat_tokens"] / 1e6:.2f}M of chat-phase rows, and the validation loss was still falling. It writes documentation-style
 English and answers in the chat format, but its answers are often generic or wrong (see the questions
 below); do not expect facts. It calls its two tools in K3's format (below).
 
@@ -157,8 +156,7 @@ stop ids `[EOS]` and `<|im_end|>`.
 
 | source | licence | train / validation / held-out characters |
 |---|---|---|
-| Python 3.11 documentation, reStructuredText sources (Debian `python3.11-doc`), markup stripped to prose and code blocks | PSF License Agreement; since 3.8.6 the code examples and recipes in it are dual-licensed PSF / Zero-Clause BSD (`license.rst` of the sources, `/usr/share/doc/python3.11-doc/copyright`) | together with the man pages: {
-        chars["train"]:.2f}M / {chars["val"]:.2f}M / {chars["heldout"]:.2f}M |
+| Python 3.11 documentation, reStructuredText sources (Debian `python3.11-doc`), markup stripped to prose and code blocks | PSF License Agreement; since 3.8.6 the code examples and recipes in it are dual-licensed PSF / Zero-Clause BSD (`license.rst` of the sources, `/usr/share/doc/python3.11-doc/copyright`) | together with the man pages: {chars["train"]:.2f}M / {chars["val"]:.2f}M / {chars["heldout"]:.2f}M |
 | Linux man-pages project 6.03 (Debian `manpages`, `manpages-dev`), rendered with groff | per page, as recorded in Debian's `copyright` file: about 1,430 pages under the "Linux-man-pages-copyleft" licence (verbatim and modified copies allowed if the permission notice is kept), about 730 GPL-2.0+/GPL-1.0+/GPL-2.0, about 220 BSD (4-, 3-, 2-clause), 1 Expat; all in Debian main (the non-free POSIX pages, in `manpages-posix`, are not used) | |
 
 Documents ({d["train"]["documents"]} train, {d["val"]["documents"]} validation, {d["heldout"]["documents"]}
@@ -170,27 +168,19 @@ CPython's `pydoc_data.topics`, which overlaps the language-reference part of the
 ## Training
 
 `python -m tools.train_docs {budget_flags(a)} --run runs/k3-docs --export p2pk3/assets/k3-docs{
-        f" --init-from {warm}" if warm else ""
-    }`
+        f" --init-from {warm}" if warm else ""}`
 (seed {a["seed"]}, resumable with `--resume`){
         f"; warm-started from the previous export ({earlier['text_tokens'] / 1e6:.2f}M tokens of text and "
         f"{earlier['chat_tokens'] / 1e6:.2f}M of chat rows in {earlier['runs']} runs, {earlier['minutes']} min; "
-        f"`{lineage.FILE}` lists every run)"
-        if warm
-        else ""
+        f"`{lineage.FILE}` lists every run)" if warm else ""
     }. Phase 1: {tr["steps"]["pretrain"]} AdamW steps of {a["batch"]} x {a["seq"]}
 tokens of text (warmup + cosine, peak lr {a["lr"]:g}, weight decay {a["wd"]:g}), {tr["minutes"]["pretrain"]:.0f} min.
 Phase 2: {tr["steps"]["chat"]} steps of {a.get("chat_batch") or a["batch"]} x {a.get("chat_seq") or a["seq"]} tokens on
 {m["chat_pairs_train"]} question/answer pairs built from the train documents (a defined name or heading -> "What does X
 do?" / "What is X?", its first paragraph -> the answer), the same questions reworded, 2-3 questions on one document as
 one multi-turn conversation, and tool conversations (call the right tool, read its result, restate it; one in six
-calls both tools){
-        renamed_line(a)
-    }, rendered with the chat template (30% with a system prompt), loss on the assistant turns only, a
-quarter of each batch plain text, {
-        tr["minutes"][
-            "chat"
-        ]:.0f} min. Routed experts trained quantization-aware (MXFP4 fake quantization, straight-through
+calls both tools){renamed_line(a)}, rendered with the chat template (30% with a system prompt), loss on the assistant turns only, a
+quarter of each batch plain text, {tr["minutes"]["chat"]:.0f} min. Routed experts trained quantization-aware (MXFP4 fake quantization, straight-through
 gradient); router correction bias set by quantile balancing (no aux loss). {a["threads"]} CPU threads, Python
 {m["python"]}, torch {m["torch"]}. Loss curves: `loss.png` of the run.
 
@@ -199,8 +189,7 @@ gradient); router correction bias set by quantile balancing (no aux loss). {a["t
 | | perplexity | bits per byte |
 |---|---|---|
 | fp32 master weights (QAT forward) | {h["master"]["ppl"]:.2f} | {h["master"]["bpb"]:.3f} |
-| this checkpoint (bf16 + MXFP4 experts, real loader), fp32 compute | {h["mxfp4"]["ppl"]:.2f} | {
-        h["mxfp4"]["bpb"]:.3f} |
+| this checkpoint (bf16 + MXFP4 experts, real loader), fp32 compute | {h["mxfp4"]["ppl"]:.2f} | {h["mxfp4"]["bpb"]:.3f} |
 | this checkpoint, bf16 compute | {h["mxfp4_bf16"]["ppl"]:.2f} | {h["mxfp4_bf16"]["bpb"]:.3f} |
 {ring_line}
 
