@@ -235,7 +235,8 @@ def test_the_model_card_command_names_every_option_a_run_changed():
     from tools.model_card import budget_flags
 
     run = {"minutes": 60.0, "chat_minutes": 36.0, "steps": 60, "chat_steps": None, "lr": 5e-4, "chat_lr": 1e-3}
-    run |= {"warmup": 20, "chat_batch": 4, "chat_seq": 512, "renamed_copies": 2}
+    run |= {"warmup": 20, "chat_batch": 4, "chat_seq": 512, "renamed_copies": 2, "repeat_share": 0.25}
     want = "--minutes 60 --chat-minutes 36 --steps 60 --lr 0.0005 --warmup 20 --chat-batch 4 --chat-seq 512"
-    assert budget_flags(run) == want + " --renamed-copies 2"  # chat_lr is the default, chat_steps unset
+    assert budget_flags(run) == want + " --renamed-copies 2 --repeat-share 0.25"  # chat_lr is the default, chat_steps unset
     assert budget_flags({"minutes": 75.0, "chat_minutes": 15.0, "lr": 3e-3}) == "--minutes 75 --chat-minutes 15"
+    assert budget_flags({"minutes": 75.0, "chat_minutes": 15.0, "repeat_share": 0.0}) == "--minutes 75 --chat-minutes 15"

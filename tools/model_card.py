@@ -69,7 +69,13 @@ _DEFAULTS = {
     "chat_batch": None,
     "chat_seq": None,
     "renamed_copies": 0,
+    "repeat_share": 0.0,
 }
+
+
+def repeat_line(a: dict) -> str:
+    share = a.get("repeat_share") or 0
+    return f", {share:.0%} of the text rows a passage written twice (a copy task)" if share else ""
 
 
 def renamed_line(a: dict) -> str:
@@ -79,7 +85,7 @@ def renamed_line(a: dict) -> str:
 
 def budget_flags(a: dict) -> str:
     """The training options of a run (its `args`) as train_docs flags: the time budgets, and the steps,
-    learning rates, warmup, chat rows and made-up-name copies where they were not the defaults."""
+    learning rates, warmup, chat rows, made-up-name copies and copy-task rows where they were not the defaults."""
     out = [f"--minutes {a['minutes']:g}", f"--chat-minutes {a['chat_minutes']:g}"]
     for k, default in _DEFAULTS.items():
         v = a.get(k)
@@ -174,7 +180,7 @@ CPython's `pydoc_data.topics`, which overlaps the language-reference part of the
         f"{earlier['chat_tokens'] / 1e6:.2f}M of chat rows in {earlier['runs']} runs, {earlier['minutes']} min; "
         f"`{lineage.FILE}` lists every run)" if warm else ""
     }. Phase 1: {tr["steps"]["pretrain"]} AdamW steps of {a["batch"]} x {a["seq"]}
-tokens of text (warmup + cosine, peak lr {a["lr"]:g}, weight decay {a["wd"]:g}), {tr["minutes"]["pretrain"]:.0f} min.
+tokens of text{repeat_line(a)} (warmup + cosine, peak lr {a["lr"]:g}, weight decay {a["wd"]:g}), {tr["minutes"]["pretrain"]:.0f} min.
 Phase 2: {tr["steps"]["chat"]} steps of {a.get("chat_batch") or a["batch"]} x {a.get("chat_seq") or a["seq"]} tokens on
 {m["chat_pairs_train"]} question/answer pairs built from the train documents (a defined name or heading -> "What does X
 do?" / "What is X?", its first paragraph -> the answer), the same questions reworded, 2-3 questions on one document as

@@ -219,7 +219,7 @@ def stream_nll(stage: K3Stage, ids: list[int], T: int, max_windows: int, batch: 
 def repeated(row: torch.Tensor) -> torch.Tensor:
     """The row's first half, then the same tokens again (as many as fit): a copy-task row of the same length.
     Natural text teaches a small model little in-context copying in a few million tokens (docs/quality.md,
-    fifth run); a passage written twice rewards exactly that."""
+    "Why the demo model does not copy"); a passage written twice rewards exactly that."""
     half = (len(row) + 1) // 2
     return torch.cat([row[:half], row[: len(row) - half]])
 
