@@ -9,8 +9,10 @@
 
 `--scaling` instead measures what a stage more buys (issue 21): 1-node vs 2-node vs 4-node loopback rings
 of the same model (`p2pk3 node` processes, one intra-op thread each, the daemons' default schedule), the
-same client: TTFT of a 1,536-token prompt (the median of 5, each prompt fresh), prompt tokens/s of 8
-concurrent 1,024-token prompts, aggregate decode of 16 sessions x 48 tokens with each stage's busy fraction
+same client, all rings up at once and each figure's samples alternating between them (a drifting host moves
+every ring alike): TTFT of a 1,536-token prompt (the median of 5, each prompt fresh), prompt tokens/s of 8
+concurrent 1,024-token prompts and aggregate decode of 16 sessions x 48 tokens (each the median of 3 rounds,
+fresh prompts each round) with each stage's busy fraction
 (its own `busy_s` / wall time) and the ceiling batching allows on this model (one process: a decode step of
 16 / a step of 8), the p99 inter-token gap of 8 decoding sessions with and without a 4,096-token prompt
 prefilling beside them, and whether every ring gave the same tokens.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -321,9 +324,19 @@ def parallel_capacity(n: int = 6_000_000) -> float:
 
 
 TTFT_REPS = 5  # fresh 1,536-token prompts per ring; the TTFT figure is their median (one sample swung 0.42-0.83x)
+REPS = 3  # rounds of the prompt and decode figures per ring; each figure is the median of its rounds
+
+
+def _rotate(xs: list, k: int) -> list:
+    k %= len(xs)
+    return xs[k:] + xs[:k]
 
 
 def scaling(model_dir: str, nodes: list[int], decode_tokens: int = 48) -> dict:
+    """Every ring is up for the whole run and each figure's samples alternate between them (ring order
+    rotated each round): a host whose speed drifts within the run (measured: a 1-node TTFT of 2.08 s in
+    one run and 1.96 s in the next, ten minutes apart) moves every ring's samples alike, so the ratios
+    measure the rings rather than when each ring happened to run."""
     from p2pk3.node.local import LocalRing
     from p2pk3.params import SamplingParams
 
@@ -332,11 +345,11 @@ def scaling(model_dir: str, nodes: list[int], decode_tokens: int = 48) -> dict:
     def prompt(n):
         return [int(t) for t in rng.integers(3, 2000, n)]
 
-    ttft_prompts = [prompt(1536) for _ in range(TTFT_REPS)]
-    prefill_prompts = [prompt(1024) for _ in range(8)]
-    decode_prompts = [prompt(16) for _ in range(16)]
+    ttft_prompts = [prompt(1536) for _ in range(TTFT_REPS)]  # each fresh on every ring: no prefix-cache hit
+    prefill_rounds = [[prompt(1024) for _ in range(8)] for _ in range(REPS)]
+    decode_rounds = [[prompt(16) for _ in range(16)] for _ in range(REPS)]
     long_prompt = prompt(4096)
-    res: dict = {"load_before": os.getloadavg(), "parallel_capacity": parallel_capacity()}
+    res: dict = {"load_before": os.getloadavg(), "parallel_capacity": parallel_capacity(), "interleaved": True}
     print(
         f"   host: two CPU-bound processes at once do {res['parallel_capacity']:.2f}x the work of one "
         "(2.00x: two free cores; the ceiling of every ratio of a ring against one node)"
@@ -347,59 +360,82 @@ def scaling(model_dir: str, nodes: list[int], decode_tokens: int = 48) -> dict:
         f"   one process, 1 thread: decode step of 8 sessions {t8:.1f} ms, of 16 {t16:.1f} ms "
         f"-> two micro-batches of 8 on two stages gain at most {t16 / t8:.2f}x"
     )
-    for n in nodes:
-        r: dict = {}
-        with LocalRing(model_dir, n) as ring:
+    with contextlib.ExitStack() as stack:
+        rings = {n: stack.enter_context(LocalRing(model_dir, n)) for n in nodes}
+        print(f"   rings up: {', '.join(f'{n} node(s)' for n in nodes)}; each figure's samples alternate between them")
+        r: dict[int, dict] = {n: {"ttft_each_s": [], "prompt_tps_each": [], "decode_tps_each": []} for n in nodes}
+        busy_s = {n: {} for n in nodes}
+        busy_wall = dict.fromkeys(nodes, 0.0)
+        for ring in rings.values():
 
-            async def warm():
+            async def warm(ring=ring):
                 c = await ring.client()
                 await c.generate(prompt(300), SamplingParams(max_tokens=4))
                 c.close()
 
             asyncio.run(warm())
-            ttfts = []
-            for p in ttft_prompts:  # one at a time, each fresh (no prefix-cache hit): the median of TTFT_REPS
-                t0, t1, (rep,), _ = asyncio.run(_timed(ring, [p], SamplingParams(max_tokens=1)))
-                ttfts.append(rep.stats.get("ttft_s") or (t1 - t0))
-            r["ttft_s"], r["ttft_each_s"] = statistics.median(ttfts), ttfts
-            t0, t1, _, _ = asyncio.run(_timed(ring, prefill_prompts, SamplingParams(max_tokens=1)))
-            r["prompt_tps"] = sum(len(p) for p in prefill_prompts) / (t1 - t0)
-            b0, w0 = _stage_busy(ring), time.perf_counter()
-            t0, t1, replies, stamps = asyncio.run(
-                _timed(ring, decode_prompts, SamplingParams(max_tokens=decode_tokens))
+        for k, p in enumerate(ttft_prompts):
+            for n in _rotate(nodes, k):
+                t0, t1, (rep,), _ = asyncio.run(_timed(rings[n], [p], SamplingParams(max_tokens=1)))
+                r[n]["ttft_each_s"].append(rep.stats.get("ttft_s") or (t1 - t0))
+        for k in range(REPS):
+            for n in _rotate(nodes, k):
+                t0, t1, _, _ = asyncio.run(_timed(rings[n], prefill_rounds[k], SamplingParams(max_tokens=1)))
+                r[n]["prompt_tps_each"].append(sum(len(p) for p in prefill_rounds[k]) / (t1 - t0))
+        for k in range(REPS):
+            for n in _rotate(nodes, k):
+                b0, w0 = _stage_busy(rings[n]), time.perf_counter()
+                t0, t1, replies, _ = asyncio.run(
+                    _timed(rings[n], decode_rounds[k], SamplingParams(max_tokens=decode_tokens))
+                )
+                b1, w1 = _stage_busy(rings[n]), time.perf_counter()
+                r[n]["decode_tps_each"].append(sum(len(x.tokens) for x in replies) / (t1 - t0))
+                for slot in b1:
+                    busy_s[n][slot] = busy_s[n].get(slot, 0.0) + b1[slot] - b0.get(slot, 0.0)
+                busy_wall[n] += w1 - w0
+                if k == 0:
+                    r[n]["tokens"] = [x.tokens for x in replies]
+        for n in nodes:
+            during, alone, gaps = asyncio.run(
+                _itl_with_prefill(rings[n], decode_rounds[0][:8], long_prompt, decode_tokens)
             )
-            b1, w1 = _stage_busy(ring), time.perf_counter()
-            r["decode_tps"] = sum(len(x.tokens) for x in replies) / (t1 - t0)
-            r["busy"] = {k: (b1[k] - b0.get(k, 0.0)) / (w1 - w0) for k in b1}
-            r["tokens"] = [x.tokens for x in replies]
-            during, alone, k = asyncio.run(_itl_with_prefill(ring, decode_prompts[:8], long_prompt, decode_tokens))
-            r["itl_p99_ms"] = {"with_prefill": 1e3 * during, "without": 1e3 * alone, "gaps_during": k}
-            r["load"] = os.getloadavg()
-        res[n] = r
-        busy = ", ".join(f"{k} {100 * v:.0f}%" for k, v in r["busy"].items())
-        each = ", ".join(f"{x:.2f}" for x in r["ttft_each_s"])
+            r[n]["itl_p99_ms"] = {"with_prefill": 1e3 * during, "without": 1e3 * alone, "gaps_during": gaps}
+    for n in nodes:
+        x = r[n]
+        x["ttft_s"] = statistics.median(x["ttft_each_s"])
+        x["prompt_tps"] = statistics.median(x["prompt_tps_each"])
+        x["decode_tps"] = statistics.median(x["decode_tps_each"])
+        x["busy"] = {slot: v / busy_wall[n] for slot, v in busy_s[n].items()}
+        res[n] = x
+        busy = ", ".join(f"{k} {100 * v:.0f}%" for k, v in x["busy"].items())
+        each = ", ".join(f"{v:.2f}" for v in x["ttft_each_s"])
+        prompts = ", ".join(f"{v:.0f}" for v in x["prompt_tps_each"])
+        decodes = ", ".join(f"{v:.0f}" for v in x["decode_tps_each"])
+        q = x["itl_p99_ms"]
         print(
-            f"   {n} node(s): TTFT {r['ttft_s']:.2f} s (median of {each}); prompt {r['prompt_tps']:.0f} tok/s; "
-            f"decode {r['decode_tps']:.1f} tok/s "
-            f"(busy {busy}); p99 gap {r['itl_p99_ms']['with_prefill']:.0f} ms with a 4,096-token prefill vs "
-            f"{r['itl_p99_ms']['without']:.0f} ms without ({k} gaps); load {r['load'][0]:.2f}"
+            f"   {n} node(s): TTFT {x['ttft_s']:.2f} s (median of {each}); prompt {x['prompt_tps']:.0f} tok/s "
+            f"(median of {prompts}); decode {x['decode_tps']:.1f} tok/s (median of {decodes}; busy {busy}); "
+            f"p99 gap {q['with_prefill']:.0f} ms with a 4,096-token prefill vs {q['without']:.0f} ms without "
+            f"({q['gaps_during']} gaps)"
         )
     base = res[nodes[0]]
     for n in nodes[1:]:
-        r = res[n]
-        r["ratios"] = {
-            "ttft": r["ttft_s"] / base["ttft_s"],
-            "prompt_tps": r["prompt_tps"] / base["prompt_tps"],
-            "decode_tps": r["decode_tps"] / base["decode_tps"],
-            "itl_with_vs_without": r["itl_p99_ms"]["with_prefill"] / r["itl_p99_ms"]["without"],
+        x = res[n]
+        x["ratios"] = {
+            "ttft": x["ttft_s"] / base["ttft_s"],
+            "prompt_tps": x["prompt_tps"] / base["prompt_tps"],
+            "decode_tps": x["decode_tps"] / base["decode_tps"],
+            "itl_with_vs_without": x["itl_p99_ms"]["with_prefill"] / x["itl_p99_ms"]["without"],
         }
-        q = r["ratios"]
+        q = x["ratios"]
         print(
             f"   {n}-node / {nodes[0]}-node: TTFT {q['ttft']:.2f}x (target <= 0.65x at 2 nodes); prompt tokens/s "
             f"{q['prompt_tps']:.2f}x (target >= 1.6x, ceiling 2x on 2 cores); decode {q['decode_tps']:.2f}x "
-            f"(target >= 1.15x; ceiling {res['ceiling']['ratio']:.2f}x); busy {', '.join(f'{100 * v:.0f}%' for v in r['busy'].values())} "
+            f"(target >= 1.15x; ceiling {res['ceiling']['ratio']:.2f}x); busy {', '.join(f'{100 * v:.0f}%' for v in x['busy'].values())} "
             f"(target >= 80%); p99 gap with prefill {q['itl_with_vs_without']:.2f}x of without (target <= 2x)"
         )
+    base_q = base["itl_p99_ms"]["with_prefill"] / base["itl_p99_ms"]["without"]
+    print(f"   {nodes[0]}-node p99 gap with prefill: {base_q:.2f}x of without")
     same = all(res[n]["tokens"] == base["tokens"] for n in nodes)
     res["tokens_identical"] = same
     print(f"   tokens of the 16 decoding sessions identical on every ring: {'yes' if same else 'NO'}")
