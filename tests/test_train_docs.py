@@ -240,3 +240,20 @@ def test_the_model_card_command_names_every_option_a_run_changed():
     assert budget_flags(run) == want + " --renamed-copies 2 --repeat-share 0.25"  # chat_lr is the default, chat_steps unset
     assert budget_flags({"minutes": 75.0, "chat_minutes": 15.0, "lr": 3e-3}) == "--minutes 75 --chat-minutes 15"
     assert budget_flags({"minutes": 75.0, "chat_minutes": 15.0, "repeat_share": 0.0}) == "--minutes 75 --chat-minutes 15"
+    short = {"minutes": 75.0, "chat_minutes": 15.0}
+    assert budget_flags(short | {"fresh_init": "train", "redraw": None}) == "--minutes 75 --chat-minutes 15"
+    assert budget_flags(short | {"fresh_init": "mla-fanin"}) == "--minutes 75 --chat-minutes 15 --fresh-init mla-fanin"
+    assert budget_flags(short | {"redraw": "mla-fanin"}) == "--minutes 75 --chat-minutes 15 --redraw mla-fanin"
+
+
+def test_a_fresh_start_and_a_redraw_are_refused_where_they_do_not_apply(capsys):
+    import pytest
+
+    import tools.train_docs as td
+
+    with pytest.raises(SystemExit) as e:
+        td.main(["--init-from", "p2pk3/assets/k3-docs", "--fresh-init", "mla-fanin"])
+    assert e.value.code == 2 and "--fresh-init sets a fresh run's start" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        td.main(["--redraw", "mla-fanin"])
+    assert e.value.code == 2 and "--redraw redraws tensors of a warm start (--init-from)" in capsys.readouterr().err

@@ -6,6 +6,7 @@ one that does not scores the two alike. The skill every open answer figure of th
     python -m tools.copy_probe MODEL_OR_CKPT [MORE ...] [--corpus runs/corpus] [--passages 24] [--tokens 64]
     python -m tools.copy_probe --learn 1500      # how fast a fresh small K3 learns to copy, beside a plain
                                                  # torch.nn transformer on the same task (minutes per 100 steps)
+    python -m tools.copy_probe --learn 600 --init mla-fanin --no-oracle   # from another start (INIT_VARIANTS)
 
 MODEL_OR_CKPT: an exported model folder (p2pk3/assets/k3-docs) or a training run's checkpoint
 (runs/NAME/ckpt.pt, master.pt; its tokenizer is the run's)."""
@@ -13,10 +14,13 @@ MODEL_OR_CKPT: an exported model folder (p2pk3/assets/k3-docs) or a training run
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+
+from tools.trainlib.model import INIT_VARIANTS
 
 
 def copy_accuracy(predict: Callable[[list[int]], list[int]], passages: Sequence[list[int]]) -> tuple[float, float]:
@@ -74,6 +78,59 @@ def stage_predictor(stage) -> Callable[[list[int]], list[int]]:
     return predict
 
 
+def mla_scores(attn, x: torch.Tensor) -> torch.Tensor:
+    """One GatedMLA layer's attention weights [H, T, T] for x [T, D], one causal sequence, written out here
+    from its weights as spec 3.1's expanded form (the model's own `_naive` with the cache taken out)."""
+    c = attn.cfg
+    dn, R = c.qk_nope_head_dim, c.kv_lora_rank
+    q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x))).view(len(x), attn.H, c.q_head_dim)
+    kv = attn.kv_a_proj_with_mqa(x)
+    ckv, k_pe = attn.kv_a_layernorm(kv[:, :R]), kv[:, R:]
+    w_uk, _ = attn._wkv()
+    k_nope = torch.einsum("lr,hdr->hld", ckv, w_uk)
+    sc = torch.einsum("thd,hld->htl", q[..., :dn], k_nope) + torch.einsum("thd,ld->htl", q[..., dn:], k_pe)
+    sc = sc.float() * c.q_head_dim**-0.5
+    mask = torch.ones(len(x), len(x), dtype=torch.bool).triu(1)
+    return torch.softmax(sc.masked_fill(mask, -float("inf")), -1)
+
+
+@torch.inference_mode()
+def attention_profile(stage, passages: Sequence[list[int]]) -> dict[int, tuple[float, float, float]]:
+    """Per MLA layer, over the passages written twice (each run alone): (entropy of a second-copy query's
+    weights / log of its key count: 1.0 is uniform; the weight it puts on the token to copy, the one after
+    its earlier occurrence; that weight under uniform attention, 1 / key count), averaged over queries and
+    heads. An induction head puts most of its weight there; a near-uniform layer 1 / key count."""
+    from p2pk3.model.kimi_k3 import GatedMLA
+    from tools.trainlib.evaluate import forward_batch
+
+    inputs: dict[int, torch.Tensor] = {}
+    hooks = [
+        m.register_forward_pre_hook(lambda m, args: inputs.__setitem__(m.layer_idx, args[0].detach()))
+        for m in stage.modules()
+        if isinstance(m, GatedMLA)
+    ]
+    mods = {m.layer_idx: m for m in stage.modules() if isinstance(m, GatedMLA)}
+    sums: dict[int, list[float]] = {k: [0.0, 0.0, 0.0] for k in mods}
+    count = 0
+    try:
+        for p in passages:
+            n = len(p)
+            forward_batch(stage, torch.tensor([list(p) + list(p)]))
+            for k, m in mods.items():
+                w = mla_scores(m, inputs[k])  # [H, 2n, 2n]
+                for t in range(n, 2 * n - 1):  # second-copy queries; the token to copy sits at t - n + 1
+                    row = w[:, t, : t + 1]
+                    ent = -(row * row.clamp_min(1e-30).log()).sum(-1) / math.log(t + 1)
+                    sums[k][0] += ent.mean().item()
+                    sums[k][1] += row[:, t - n + 1].mean().item()
+                    sums[k][2] += 1 / (t + 1)
+            count += n - 1
+    finally:
+        for h in hooks:
+            h.remove()
+    return {k: (a / count, b / count, u / count) for k, (a, b, u) in sums.items()}
+
+
 def plain_transformer(vocab: int, T: int, D: int = 64, layers: int = 2) -> torch.nn.Module:
     """The oracle of `learn`: torch.nn's pre-norm causal transformer with learned positions."""
     nn = torch.nn
@@ -92,11 +149,21 @@ def plain_transformer(vocab: int, T: int, D: int = 64, layers: int = 2) -> torch
     return Plain()
 
 
-def learn(steps: int, lr: float, every: int = 100, vocab: int = 128, L: int = 16, B: int = 32) -> None:
+def learn(
+    steps: int,
+    lr: float,
+    every: int = 100,
+    vocab: int = 128,
+    L: int = 16,
+    B: int = 32,
+    init: str = "train",
+    oracle: bool = True,
+) -> dict[str, int | None]:
     """Train a fresh small K3 (tools/trainlib `tiny_config`, hidden 64, 5 layers: 3 KDA + 2 MLA, as the
-    training script initialises it) and `plain_transformer` side by side on random passages of L tokens
-    written twice; print the loss and the second copy's accuracy of both every `every` steps. A copier's
-    loss falls from ln(vocab) towards half of it."""
+    training script initialises it with `init`, tools/trainlib INIT_VARIANTS) and `plain_transformer` (unless not `oracle`) side by
+    side on random passages of L tokens written twice; print the loss and the second copy's accuracy of both
+    every `every` steps. A copier's loss falls from ln(vocab) towards half of it. Returns, per model, the first
+    printed step whose second-copy accuracy is at least 0.5 (None: never)."""
     import torch.nn.functional as F
 
     from p2pk3.model.stage import K3Stage, StagePlan
@@ -108,12 +175,12 @@ def learn(steps: int, lr: float, every: int = 100, vocab: int = 128, L: int = 16
     torch.manual_seed(0)
     cfg = tiny_config(vocab, 0, 1, 2, hidden=64, layers=5, kda_heads=2, kda_dim=32, experts=4, topk=2, moe_inter=32)
     k3 = K3Stage(cfg, StagePlan.whole(cfg))
-    init_stage(k3, 0)
-    models = {
-        "small K3": (k3, lambda x: forward_batch(k3, x).reshape(*x.shape, -1)),
-        "plain transformer": (plain := plain_transformer(vocab, 2 * L), plain),
-    }
+    init_stage(k3, 0, init)
+    models = {f"small K3 ({init})": (k3, lambda x: forward_batch(k3, x).reshape(*x.shape, -1))}
+    if oracle:
+        models["plain transformer"] = (plain := plain_transformer(vocab, 2 * L), plain)
     opts = {k: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=lr) for k, (m, _) in models.items()}
+    copied: dict[str, int | None] = dict.fromkeys(models)
     for step in range(steps + 1):
         x = torch.randint(3, vocab, (B, L))
         seq = torch.cat([x, x], 1)
@@ -128,8 +195,13 @@ def learn(steps: int, lr: float, every: int = 100, vocab: int = 128, L: int = 16
             opts[k].step()
             acc = (lg[:, L:].argmax(-1) == seq[:, L + 1 :]).float().mean().item()
             row.append(f"{k}: loss {loss.item():.3f}, second copy {acc:.2f}")
+            if step % every == 0 and acc >= 0.5 and copied[k] is None:
+                copied[k] = step
         if step % every == 0:
             print(f"step {step:5d}  " + "   ".join(row), flush=True)
+    for k, s in copied.items():
+        print(f"{k}: second copy >= 0.5 {'from step ' + str(s) if s is not None else f'not within {steps} steps'}")
+    return copied
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,17 +209,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("models", nargs="*", help="export folders or runs/NAME/ckpt.pt")
     ap.add_argument("--learn", type=int, default=0, metavar="STEPS", help="the copy task from scratch (above)")
     ap.add_argument("--lr", type=float, default=1e-3, help="--learn: AdamW learning rate of both models")
+    ap.add_argument("--init", choices=sorted(INIT_VARIANTS), default="train", help="--learn: the small K3's start")
+    ap.add_argument("--no-oracle", action="store_true", help="--learn: train the small K3 alone")
+    ap.add_argument(
+        "--attention", action="store_true", help="also each MLA layer's sharpness and weight on the copied token"
+    )
     ap.add_argument("--corpus", default="runs/corpus", help="tools.doc_corpus cache (default runs/corpus)")
     ap.add_argument("--passages", type=int, default=24)
     ap.add_argument("--tokens", type=int, default=64)
     a = ap.parse_args(argv)
     if a.learn:
-        learn(a.learn, a.lr)
+        learn(a.learn, a.lr, init=a.init, oracle=not a.no_oracle)
     for m in a.models:
         stage, tok = load(m)
-        first, second = copy_accuracy(stage_predictor(stage), heldout_passages(tok, a.corpus, a.passages, a.tokens))
-        print(f"{m}: held-out passage written twice, next-token accuracy: first copy {first:.2f}, "
-              f"second copy {second:.2f} ({second / max(first, 1e-9):.2f}x)")
+        passages = heldout_passages(tok, a.corpus, a.passages, a.tokens)
+        first, second = copy_accuracy(stage_predictor(stage), passages)
+        print(
+            f"{m}: held-out passage written twice, next-token accuracy: first copy {first:.2f}, "
+            f"second copy {second:.2f} ({second / max(first, 1e-9):.2f}x)"
+        )
+        if a.attention:
+            for k, (ent, on_copy, uniform) in attention_profile(stage, passages).items():
+                print(
+                    f"   MLA layer {k}: entropy {ent:.2f} of uniform's; weight on the token to copy {on_copy:.3f} "
+                    f"({on_copy / uniform:.1f}x uniform's {uniform:.3f})"
+                )
     return 0
 
 

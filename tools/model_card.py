@@ -70,6 +70,8 @@ _DEFAULTS = {
     "chat_seq": None,
     "renamed_copies": 0,
     "repeat_share": 0.0,
+    "fresh_init": "train",
+    "redraw": None,
 }
 
 
@@ -85,12 +87,13 @@ def renamed_line(a: dict) -> str:
 
 def budget_flags(a: dict) -> str:
     """The training options of a run (its `args`) as train_docs flags: the time budgets, and the steps,
-    learning rates, warmup, chat rows, made-up-name copies and copy-task rows where they were not the defaults."""
+    learning rates, warmup, chat rows, made-up-name copies, copy-task rows, a fresh run's init variant and a warm
+    start's redrawn tensors where they were not the defaults."""
     out = [f"--minutes {a['minutes']:g}", f"--chat-minutes {a['chat_minutes']:g}"]
     for k, default in _DEFAULTS.items():
         v = a.get(k)
         if v is not None and v != default:
-            out.append(f"--{k.replace('_', '-')} {v:g}")
+            out.append(f"--{k.replace('_', '-')} {v if isinstance(v, str) else format(v, 'g')}")
     return " ".join(out)
 
 

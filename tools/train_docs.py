@@ -51,7 +51,14 @@ from tools.trainlib.balance import RouterTap, imbalance, qb_update  # noqa: E402
 from tools.trainlib import lineage  # noqa: E402
 from tools.trainlib.evaluate import forward_batch  # noqa: E402
 from tools.trainlib.export import export  # noqa: E402
-from tools.trainlib.model import canonical_state_dict, config_from_args, init_stage, moe_layers  # noqa: E402
+from tools.trainlib.model import (  # noqa: E402
+    INIT_VARIANTS,
+    canonical_state_dict,
+    config_from_args,
+    init_stage,
+    moe_layers,
+    redraw,
+)
 from tools.trainlib.runlog import log  # noqa: E402
 from tools.trainlib.warm_start import export_config, load_export, upgrade_tokenizer  # noqa: E402
 
@@ -275,10 +282,13 @@ def train(a) -> int:
     else:
         cfg = config_from_args(tok, a)
     stage = K3Stage(cfg, StagePlan.whole(cfg))
-    init_stage(stage, a.seed)
+    init_stage(stage, a.seed, getattr(a, "fresh_init", "train"))  # a warm start's weights replace it below
     if a.init_from and ck is None:
         n = load_export(stage, a.init_from)
         log(f"warm start from {a.init_from}: {n} tensors", fh)
+        if getattr(a, "redraw", None):  # these tensors start afresh (the rest keeps what it learnt)
+            drawn = redraw(stage, a.redraw, a.seed)
+            log(f"redrawn as in init variant {a.redraw}: {len(drawn)} tensors ({', '.join(drawn[:4])}, ...)", fh)
         lineage.write(run, lineage.runs_before(a.init_from))  # before an export into the same folder replaces it
     stage.train()
     decay = [p for n, p in stage.named_parameters() if p.requires_grad and p.dim() >= 2 and "embed" not in n]
@@ -549,8 +559,24 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="share of plain-text rows written as a passage twice, a copy task (0: none)",
     )
+    ap.add_argument(
+        "--fresh-init",
+        choices=sorted(INIT_VARIANTS),
+        default="train",
+        help="a fresh run's start (tools/trainlib INIT_VARIANTS; mla-fanin learns to copy, docs/quality.md)",
+    )
+    ap.add_argument(
+        "--redraw",
+        choices=sorted(set(INIT_VARIANTS) - {"train"}),
+        default=None,
+        help="with --init-from: draw the tensors this init variant sets afresh, keep the rest (e.g. mla-fanin)",
+    )
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args(argv)
+    if a.init_from and a.fresh_init != "train":
+        ap.error("--fresh-init sets a fresh run's start; --init-from starts from a checkpoint's weights instead")
+    if a.redraw and not a.init_from:
+        ap.error("--redraw redraws tensors of a warm start (--init-from); a fresh run takes --fresh-init")
     if a.finish:
         finish(a.run, a.export, ring=a.ring)
         return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 
 import torch
 
@@ -72,13 +73,61 @@ def config_from_args(tok, a) -> K3Config:
     )
 
 
+def _kda_decay(stage: K3Stage, lo: float, hi: float, g: torch.Generator) -> None:
+    """KDA dt_bias such that the initial per-token decay exp(g) is log-uniform in [exp(-hi), exp(-lo)]
+    (g = lb * sigmoid(A * (a + dt_bias)), with a ~ 0 at the start)."""
+    lb = stage.cfg.kda_gate_lower_bound
+    for m in stage.modules():
+        if isinstance(m, KimiDeltaAttention):
+            A = m.A_log[: m.H].exp()
+            tgt = torch.exp(torch.empty(m.H, m.K).uniform_(math.log(lo), math.log(hi), generator=g))
+            s = (tgt / -lb).clamp(1e-6, 1 - 1e-6)
+            m.dt_bias.copy_((torch.log(s / (1 - s)) / A[:, None]).reshape(-1))
+
+
+def _fan_in(stage: K3Stage, names: tuple[str, ...], g: torch.Generator) -> None:
+    """The matrices whose parameter name ends with one of `names` drawn N(0, 1/fan_in) instead of N(0, 0.02):
+    a unit-variance output for a unit-variance input (the MLA up-projections read a normed latent, so their
+    queries and keys, and the attention scores, are then of order one at the start)."""
+    for n, p in stage.named_parameters():
+        if p.dim() == 2 and n.endswith(names):
+            p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+
+
+MLA_QK = ("q_b_proj.weight", "kv_b_proj.weight")
+KDA_QK = ("self_attn.q_proj.weight", "self_attn.k_proj.weight")
+
+# init_stage's variants: the start above, then one change (`tools/copy_probe.py --learn --init NAME` measures
+# how fast each learns to copy; `tools/train_docs.py --fresh-init NAME` trains from it; docs/quality.md)
+INIT_VARIANTS: dict[str, Callable[[K3Stage, torch.Generator], None]] = {
+    "train": lambda stage, g: None,
+    "kda-slow": lambda stage, g: _kda_decay(stage, 0.001, 0.1, g),  # a longer memory: decay 0.90-0.999 a token
+    "mla-fanin": lambda stage, g: _fan_in(stage, MLA_QK, g),  # MLA query and key/value up-projections
+    "mla-q-fanin": lambda stage, g: _fan_in(stage, MLA_QK[:1], g),  # the query's alone
+    "mla-kv-fanin": lambda stage, g: _fan_in(stage, MLA_QK[1:], g),  # the key/value's alone
+    "qk-fanin": lambda stage, g: _fan_in(stage, MLA_QK + KDA_QK, g),  # MLA's, and KDA's q and k projections
+}
+
+
 @torch.no_grad()
-def init_stage(stage: K3Stage, seed: int) -> None:
+def redraw(stage: K3Stage, variant: str, seed: int) -> list[str]:
+    """A warm start's tensors that `INIT_VARIANTS[variant]` sets, drawn afresh (the rest keeps what it learnt:
+    `tools/train_docs.py --redraw`); returns the names of the tensors it changed."""
+    before = {k: v.clone() for k, v in stage.state_dict().items()}
+    INIT_VARIANTS[variant](stage, torch.Generator().manual_seed(seed + 1))
+    return [k for k, v in stage.state_dict().items() if not torch.equal(v, before[k])]
+
+
+@torch.no_grad()
+def init_stage(stage: K3Stage, seed: int, variant: str = "train") -> None:
     """Random start. Projections N(0, 0.02) (output projections / 1/sqrt(2L), GPT-2 style), norms 1, KDA
     A_log = log U(1, 16) on the real heads (zero padding), dt_bias set so that the initial per-channel decay
     exp(g) spans exp(-0.01)..exp(-1) (log-uniform, like Mamba's dt init), short convs N(0,1)/sqrt(kernel),
     AttnRes pseudo-queries 0 (uniform mix at start, as in the AttnRes paper), router bias 0, routed experts
-    as float masters N(0, 0.02) (QAT)."""
+    as float masters N(0, 0.02) (QAT). Then `INIT_VARIANTS[variant]` (from a generator of its own: the
+    start before it is the same for every variant)."""
+    if variant not in INIT_VARIANTS:
+        raise ValueError(f"unknown init variant {variant!r}; one of {', '.join(INIT_VARIANTS)}")
     g = torch.Generator().manual_seed(seed)
     cfg = stage.cfg
     L = cfg.num_hidden_layers
@@ -120,6 +169,7 @@ def init_stage(stage: K3Stage, seed: int) -> None:
             )
             for b in ("w1_packed", "w1_scale", "w2_packed", "w2_scale", "w3_packed", "w3_scale"):
                 delattr(m, b)  # the packed buffers are unused in training; keep them out of state_dict()
+    INIT_VARIANTS[variant](stage, torch.Generator().manual_seed(seed + 1))
 
 
 def moe_layers(stage: K3Stage) -> dict[int, LatentMoE]:
