@@ -174,3 +174,4 @@ def test_the_attention_profile_reads_an_induction_head_and_a_uniform_one(monkeyp
     for k, (ent, on_copy, uni) in prof.items():
         if k != first:
             assert math.isclose(ent, 1.0, rel_tol=1e-5) and math.isclose(on_copy, uniform, rel_tol=1e-5)
+            assert math.isclose(uni, uniform)

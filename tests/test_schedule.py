@@ -349,3 +349,27 @@ def test_lost_state_replays_the_session_a_bounded_number_of_times_then_fails_it_
         e.on_results([Result(s.id, seg.epoch, 8, error=msg, code=ErrorCode.LOST_STATE)], None)
         assert s.done == (k == MAX_LOST_REPLAYS)
     assert s.error == f"unknown session {s.id!r} on this stage" and s.replays == MAX_LOST_REPLAYS
+
+
+def test_a_local_ring_keeps_no_more_units_in_flight_than_the_host_has_cores(monkeypatch):
+    """`p2pk3 local` / LocalRing: its daemons share one host, so auto micro-batches and prefill depth are
+    capped at the host's cores (more only take the cores from the others' decode steps); a flag the user
+    gives wins. Nothing is started: the flags are read off the ring before `start()`."""
+    import os
+    import shutil
+
+    from p2pk3.engine.reference import default_model_dir
+    from p2pk3.node.local import LocalRing
+
+    def flags(ring):
+        ex = ring.extra
+        shutil.rmtree(ring.workdir)
+        return {f: ex[ex.index(f) + 1] for f in ("--micro-batches", "--prefill-depth")}
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert flags(LocalRing(default_model_dir(), 4)) == {"--micro-batches": "2", "--prefill-depth": "2"}
+    assert flags(LocalRing(default_model_dir(), 1)) == {"--micro-batches": "1", "--prefill-depth": "1"}
+    mine = LocalRing(default_model_dir(), 4, extra_args=["--prefill-depth", "4", "--micro-batches", "3"])
+    assert flags(mine) == {"--micro-batches": "3", "--prefill-depth": "4"}
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert flags(LocalRing(default_model_dir(), 4)) == {"--micro-batches": "4", "--prefill-depth": "4"}

@@ -348,7 +348,7 @@ def node(
     type=SCHEDULE,
     default="auto",
     show_default=True,
-    help="chunks of one prompt in flight at once (auto: one per node; 1: one at a time)",
+    help="chunks of one prompt in flight at once (auto: one per node, at most this host's cores; 1: one at a time)",
 )
 @queue_options()
 @prefix_cache_options

@@ -123,9 +123,12 @@ class LocalRing:
         self.secret = self.topo.secret()
         self.dtype = dtype
         self.extra = list(extra_args or [])
-        if "--micro-batches" not in self.extra:  # the daemons share this host's cores: no more decode
-            # micro-batches than can compute at once (docs/architecture.md, "The scheduler")
-            self.extra += ["--micro-batches", str(max(1, min(nodes, os.cpu_count() or 1)))]
+        cores = str(max(1, min(nodes, os.cpu_count() or 1)))
+        for flag in ("--micro-batches", "--prefill-depth"):  # the daemons share this host's cores: no more
+            # decode micro-batches, nor chunks of one prompt, in flight than can compute at once (more only
+            # take the cores from the others' decode steps: docs/architecture.md, "The scheduler")
+            if flag not in self.extra:
+                self.extra += [flag, cores]
         self.log_dir = Path(log_dir) if log_dir else self.workdir
         self.procs: dict[str, subprocess.Popen] = {}  # by the slot each process was started on (or spare name)
         self.spare_ports: dict[str, int] = {}  # pool spares (spawn_spare) by name: the port each listens on
