@@ -159,10 +159,10 @@ def learn(
     init: str = "train",
     oracle: bool = True,
 ) -> dict[str, int | None]:
-    """Train a fresh small K3 (tools/trainlib `tiny_config`, hidden 64, 5 layers: 3 KDA + 2 MLA, as the
-    training script initialises it with `init`, tools/trainlib INIT_VARIANTS) and `plain_transformer` (unless not `oracle`) side by
-    side on random passages of L tokens written twice; print the loss and the second copy's accuracy of both
-    every `every` steps. A copier's loss falls from ln(vocab) towards half of it. Returns, per model, the first
+    """Train a fresh small K3 (tools/trainlib `tiny_config`, hidden 64, 5 layers: 3 KDA + 2 MLA, started as the
+    training script starts it with the variant `init` of tools/trainlib INIT_VARIANTS) and, unless `oracle` is
+    off, `plain_transformer` side by side on random passages of L tokens written twice; print the loss and the
+    second copy's accuracy of both every `every` steps. A copier's loss falls from ln(vocab) towards half of it. Returns, per model, the first
     printed step whose second-copy accuracy is at least 0.5 (None: never)."""
     import torch.nn.functional as F
 
