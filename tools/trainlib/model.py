@@ -73,16 +73,19 @@ def config_from_args(tok, a) -> K3Config:
     )
 
 
+def _set_decay(m: KimiDeltaAttention, A: torch.Tensor, lb: float, lo: float, hi: float, g: torch.Generator) -> None:
+    """One KDA layer's dt_bias such that its initial per-token decay exp(g) is log-uniform in [exp(-hi),
+    exp(-lo)] per channel: g = lb * sigmoid(A * (a + dt_bias)), with a ~ 0 at the start."""
+    tgt = torch.exp(torch.empty(m.H, m.K).uniform_(math.log(lo), math.log(hi), generator=g))
+    s = (tgt / -lb).clamp(1e-6, 1 - 1e-6)
+    m.dt_bias.copy_((torch.log(s / (1 - s)) / A[:, None]).reshape(-1))
+
+
 def _kda_decay(stage: K3Stage, lo: float, hi: float, g: torch.Generator) -> None:
-    """KDA dt_bias such that the initial per-token decay exp(g) is log-uniform in [exp(-hi), exp(-lo)]
-    (g = lb * sigmoid(A * (a + dt_bias)), with a ~ 0 at the start)."""
-    lb = stage.cfg.kda_gate_lower_bound
+    """Every KDA layer's decay drawn anew in [exp(-hi), exp(-lo)] (init_stage draws it in [exp(-1), exp(-0.01)])."""
     for m in stage.modules():
         if isinstance(m, KimiDeltaAttention):
-            A = m.A_log[: m.H].exp()
-            tgt = torch.exp(torch.empty(m.H, m.K).uniform_(math.log(lo), math.log(hi), generator=g))
-            s = (tgt / -lb).clamp(1e-6, 1 - 1e-6)
-            m.dt_bias.copy_((torch.log(s / (1 - s)) / A[:, None]).reshape(-1))
+            _set_decay(m, m.A_log[: m.H].exp(), stage.cfg.kda_gate_lower_bound, lo, hi, g)
 
 
 def _fan_in(stage: K3Stage, names: tuple[str, ...], g: torch.Generator) -> None:
@@ -148,15 +151,11 @@ def init_stage(stage: K3Stage, seed: int, variant: str = "train") -> None:
             p.copy_(torch.randn(p.shape, generator=g) * std)
     for m in stage.modules():
         if isinstance(m, KimiDeltaAttention):
-            H, K = m.H, m.K
+            H = m.H
             A = torch.empty(H).uniform_(1.0, 16.0, generator=g)
             m.A_log.zero_()
             m.A_log[:H] = A.log()
-            lb = cfg.kda_gate_lower_bound
-            # g = lb * sigmoid(A * (a + dt_bias)); with a ~ 0 choose dt_bias for a target g in [-1, -0.01]
-            tgt = torch.exp(torch.empty(H, K).uniform_(math.log(0.01), math.log(1.0), generator=g))
-            s = (tgt / -lb).clamp(1e-6, 1 - 1e-6)
-            m.dt_bias.copy_((torch.log(s / (1 - s)) / A[:, None]).reshape(-1))
+            _set_decay(m, A, cfg.kda_gate_lower_bound, 0.01, 1.0, g)  # a target g in [-1, -0.01]
     for m in stage.modules():
         if isinstance(m, LatentMoE):
             E, W, I = len(m.held), cfg.expert_width, cfg.moe_intermediate_size
