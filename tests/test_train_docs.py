@@ -124,8 +124,11 @@ def test_conversation_example_masks_every_assistant_turn_and_nothing_else(tmp_pa
     from tools.trainlib.warm_start import upgrade_tokenizer
 
     tok = load_tokenizer(upgrade_tokenizer(default_model_dir(), tmp_path / "tok"))
-    call = {"id": "functions.python_doc:0", "type": "function",
-            "function": {"name": "python_doc", "arguments": '{"name": "len"}'}}
+    call = {
+        "id": "functions.python_doc:0",
+        "type": "function",
+        "function": {"name": "python_doc", "arguments": '{"name": "len"}'},
+    }
     msgs = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "What does `len` do?"},
@@ -145,7 +148,7 @@ def test_conversation_example_masks_every_assistant_turn_and_nothing_else(tmp_pa
             spans.append(tok.decode(cur, skip_special=False))
             cur = []
     assert spans == [
-        '<|tool_calls_section_begin|><|tool_call_begin|>functions.python_doc:0<|tool_call_argument_begin|>'
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.python_doc:0<|tool_call_argument_begin|>"
         '{"name": "len"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>',
         "It returns the length.<|im_end|>",
         "You are welcome.<|im_end|>",
@@ -237,9 +240,13 @@ def test_the_model_card_command_names_every_option_a_run_changed():
     run = {"minutes": 60.0, "chat_minutes": 36.0, "steps": 60, "chat_steps": None, "lr": 5e-4, "chat_lr": 1e-3}
     run |= {"warmup": 20, "chat_batch": 4, "chat_seq": 512, "renamed_copies": 2, "repeat_share": 0.25}
     want = "--minutes 60 --chat-minutes 36 --steps 60 --lr 0.0005 --warmup 20 --chat-batch 4 --chat-seq 512"
-    assert budget_flags(run) == want + " --renamed-copies 2 --repeat-share 0.25"  # chat_lr is the default, chat_steps unset
+    assert (
+        budget_flags(run) == want + " --renamed-copies 2 --repeat-share 0.25"
+    )  # chat_lr is the default, chat_steps unset
     assert budget_flags({"minutes": 75.0, "chat_minutes": 15.0, "lr": 3e-3}) == "--minutes 75 --chat-minutes 15"
-    assert budget_flags({"minutes": 75.0, "chat_minutes": 15.0, "repeat_share": 0.0}) == "--minutes 75 --chat-minutes 15"
+    assert (
+        budget_flags({"minutes": 75.0, "chat_minutes": 15.0, "repeat_share": 0.0}) == "--minutes 75 --chat-minutes 15"
+    )
     short = {"minutes": 75.0, "chat_minutes": 15.0}
     assert budget_flags(short | {"fresh_init": "train", "redraw": None}) == "--minutes 75 --chat-minutes 15"
     assert budget_flags(short | {"fresh_init": "mla-fanin"}) == "--minutes 75 --chat-minutes 15 --fresh-init mla-fanin"
@@ -257,3 +264,37 @@ def test_a_fresh_start_and_a_redraw_are_refused_where_they_do_not_apply(capsys):
     with pytest.raises(SystemExit) as e:
         td.main(["--redraw", "mla-fanin"])
     assert e.value.code == 2 and "--redraw redraws tensors of a warm start (--init-from)" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_extend_to_lengthens_a_resumed_schedule_and_nothing_else(tmp_path, capsys):
+    """A run planned for 6 steps, stopped at 3 and resumed with --extend-to 8: 8 pretraining steps in all,
+    the first 3 exactly those of the planned run, the rest on the cosine of 8 steps (computed here by hand),
+    the chat phase after it as planned; a count short of where the run is, or no --resume, is refused."""
+    cache = synthetic_corpus(tmp_path)
+    base = ARGS + ["--corpus", str(cache)]
+    assert td.main(base + ["--run", str(tmp_path / "a"), "--stop-after-steps", "3"]) == 0
+    planned = torch.load(tmp_path / "a" / "ckpt.pt", weights_only=False)["state"]
+    with pytest.raises(SystemExit) as e:
+        td.main(["--run", str(tmp_path / "a"), "--resume", "--extend-to", "2"])
+    assert "--extend-to 2: phase pretrain is at step 3 of 6" in str(e.value)
+    seen = []
+    real = td.lr_at
+
+    def spy(step, total, peak, warmup, floor=0.1):
+        seen.append((step, total))
+        return real(step, total, peak, warmup, floor)
+
+    td.lr_at = spy
+    try:
+        assert td.main(["--run", str(tmp_path / "a"), "--resume", "--extend-to", "8", "--threads", "1"]) == 0
+    finally:
+        td.lr_at = real
+    m = torch.load(tmp_path / "a" / "master.pt", weights_only=False)
+    assert m["state"]["hist"]["pretrain"]["loss"][:3] == planned["hist"]["pretrain"]["loss"]
+    assert len(m["state"]["hist"]["pretrain"]["loss"]) == 8 and len(m["state"]["hist"]["chat"]["loss"]) == 4
+    assert sorted({s for s in seen if s[1] == 8}) == [(s, 8) for s in range(3, 8)]  # steps 3..7 on 8 (per group)
+    assert m["args"]["threads"] == 1
+    with pytest.raises(SystemExit) as e:
+        td.main(["--extend-to", "9"])
+    assert e.value.code == 2 and "--extend-to lengthens a resumed run's schedule" in capsys.readouterr().err

@@ -247,12 +247,19 @@ def train(a) -> int:
     ck = torch.load(ck_path, weights_only=False) if a.resume else None
     if ck is not None:  # the run's own settings, except what this invocation names: --stop-after-steps,
         # --export, and the budget of a phase not started yet (--minutes / --chat-minutes given again)
-        keep = {"resume": True, "stop_after_steps": a.stop_after_steps, "export": a.export or ck["args"].get("export")}
+        keep = {
+            "resume": True,
+            "extend_to": a.extend_to,
+            "stop_after_steps": a.stop_after_steps,
+            "export": a.export or ck["args"].get("export"),
+        }
+        if a.threads is not None:  # the machine's, not the run's
+            keep["threads"] = a.threads
         for k, phase in (("minutes", "pretrain"), ("chat_minutes", "chat")):
             if getattr(a, k) is not None and ck["state"]["phase"] == phase and ck["state"]["total"] is None:
                 keep[k] = getattr(a, k)
         a = argparse.Namespace(**{**vars(a), **ck["args"], **keep})  # options newer than the run: defaults
-    for k, v in (("minutes", 75.0), ("chat_minutes", 15.0)):
+    for k, v in (("minutes", 75.0), ("chat_minutes", 15.0), ("threads", 2)):
         if getattr(a, k) is None:
             setattr(a, k, v)
     fh = open(run / "train.log", "a" if ck else "w")
@@ -316,6 +323,14 @@ def train(a) -> int:
         gen.set_state(ck["gen"])
         state = ck["state"]
         log(f"resumed: phase {state['phase']} step {state['step']} of {state['total']}", fh)
+        if getattr(a, "extend_to", None):
+            if state["total"] is None or a.extend_to < state["step"]:
+                raise SystemExit(
+                    f"--extend-to {a.extend_to}: phase {state['phase']} is at step {state['step']} "
+                    f"of {state['total'] or 'a schedule not set yet'}; give a step count past the current one"
+                )
+            log(f"[{state['phase']}] schedule {state['total']} -> {a.extend_to} steps (--extend-to)", fh)
+            state["total"] = a.extend_to
     else:
         n_params = sum(p.numel() for p in stage.parameters())
         n_exp = sum(p.numel() for n, p in stage.named_parameters() if n.endswith("_master"))
@@ -571,12 +586,20 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="with --init-from: draw the tensors this init variant sets afresh, keep the rest (e.g. mla-fanin)",
     )
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--extend-to",
+        type=int,
+        default=None,
+        help="with --resume: the current phase's schedule runs to N steps (its cosine stretched from here)",
+    )
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (2; on --resume, given wins)")
     a = ap.parse_args(argv)
     if a.init_from and a.fresh_init != "train":
         ap.error("--fresh-init sets a fresh run's start; --init-from starts from a checkpoint's weights instead")
     if a.redraw and not a.init_from:
         ap.error("--redraw redraws tensors of a warm start (--init-from); a fresh run takes --fresh-init")
+    if a.extend_to is not None and not a.resume:
+        ap.error("--extend-to lengthens a resumed run's schedule; a new run takes --steps / --chat-steps")
     if a.finish:
         finish(a.run, a.export, ring=a.ring)
         return 0
