@@ -331,6 +331,7 @@ def train(a) -> int:
                 )
             log(f"[{state['phase']}] schedule {state['total']} -> {a.extend_to} steps (--extend-to)", fh)
             state["total"] = a.extend_to
+            state["extended"] = state["phase"]  # a schedule of steps now, not of --minutes
     else:
         n_params = sum(p.numel() for p in stage.parameters())
         n_exp = sum(p.numel() for n, p in stage.named_parameters() if n.endswith("_master"))
@@ -436,7 +437,7 @@ def train(a) -> int:
             if time.time() - last_ck > a.ckpt_minutes * 60:
                 checkpoint()
                 last_ck = time.time()
-            if el > budget + 300:
+            if not fixed and state.get("extended") != phase and el > budget + 300:  # a fixed one runs whole
                 log(f"[{phase}] over the time budget: stopping", fh)
                 break
         log(f"[{phase}] {state['step']} steps in {state['elapsed'][phase] / 60:.1f} min", fh)
