@@ -269,8 +269,9 @@ def test_a_fresh_start_and_a_redraw_are_refused_where_they_do_not_apply(capsys):
 @pytest.mark.slow
 def test_extend_to_lengthens_a_resumed_schedule_and_nothing_else(tmp_path, capsys):
     """A run planned for 6 steps, stopped at 3 and resumed with --extend-to 8: 8 pretraining steps in all,
-    the first 3 exactly those of the planned run, the rest on the cosine of 8 steps (computed here by hand),
-    the chat phase after it as planned; a count short of where the run is, or no --resume, is refused."""
+    the first 3 exactly those of the planned run, the rest on the cosine of 8 steps, then a chat phase of the
+    --chat-steps given on that resume; a count short of where the run is, no --resume, or chat options once
+    the chat phase has started are refused."""
     cache = synthetic_corpus(tmp_path)
     base = ARGS + ["--corpus", str(cache)]
     assert td.main(base + ["--run", str(tmp_path / "a"), "--stop-after-steps", "3"]) == 0
@@ -287,14 +288,18 @@ def test_extend_to_lengthens_a_resumed_schedule_and_nothing_else(tmp_path, capsy
 
     td.lr_at = spy
     try:
-        assert td.main(["--run", str(tmp_path / "a"), "--resume", "--extend-to", "8", "--threads", "1"]) == 0
+        args = ["--run", str(tmp_path / "a"), "--resume", "--extend-to", "8", "--threads", "1", "--chat-steps", "3"]
+        assert td.main(args) == 0
     finally:
         td.lr_at = real
     m = torch.load(tmp_path / "a" / "master.pt", weights_only=False)
     assert m["state"]["hist"]["pretrain"]["loss"][:3] == planned["hist"]["pretrain"]["loss"]
-    assert len(m["state"]["hist"]["pretrain"]["loss"]) == 8 and len(m["state"]["hist"]["chat"]["loss"]) == 4
+    assert len(m["state"]["hist"]["pretrain"]["loss"]) == 8 and len(m["state"]["hist"]["chat"]["loss"]) == 3
     assert sorted({s for s in seen if s[1] == 8}) == [(s, 8) for s in range(3, 8)]  # steps 3..7 on 8 (per group)
-    assert m["args"]["threads"] == 1
+    assert m["args"]["threads"] == 1 and m["args"]["chat_lr"] == 1e-3  # the run's, not given again
+    with pytest.raises(SystemExit) as e:
+        td.main(["--run", str(tmp_path / "a"), "--resume", "--chat-lr", "0.01", "--renamed-copies", "1"])
+    assert "--chat-lr, --renamed-copies: the run's chat phase has started" in str(e.value)
     with pytest.raises(SystemExit) as e:
         td.main(["--extend-to", "9"])
     assert e.value.code == 2 and "--extend-to lengthens a resumed run's schedule" in capsys.readouterr().err

@@ -63,6 +63,8 @@ from tools.trainlib.runlog import log  # noqa: E402
 from tools.trainlib.warm_start import export_config, load_export, upgrade_tokenizer  # noqa: E402
 
 TRAIN_CHUNK = 16
+CHAT_OPTIONS = ("chat_steps", "chat_lr", "chat_batch", "chat_seq", "renamed_copies")  # given on --resume before
+# the chat phase has started: they win over the run's own
 VAL_CHAT_ROWS = 64  # validation answer loss over the first 64 packed rows (a fixed set; ~30 s)
 SYSTEM_PROMPT = "You are a helpful assistant that knows the Python documentation and the Linux manual pages."
 QUESTION_SYSTEM_RATE = 0.3  # fraction of chat examples rendered with the system prompt (the REPL sends none)
@@ -246,7 +248,8 @@ def train(a) -> int:
         raise SystemExit(f"--resume: there is no checkpoint {ck_path} (start the run without --resume)")
     ck = torch.load(ck_path, weights_only=False) if a.resume else None
     if ck is not None:  # the run's own settings, except what this invocation names: --stop-after-steps,
-        # --export, and the budget of a phase not started yet (--minutes / --chat-minutes given again)
+        # --export, --threads, and the budget and options of a phase not started yet (--minutes / --chat-minutes /
+        # CHAT_OPTIONS given again)
         keep = {
             "resume": True,
             "extend_to": a.extend_to,
@@ -258,8 +261,16 @@ def train(a) -> int:
         for k, phase in (("minutes", "pretrain"), ("chat_minutes", "chat")):
             if getattr(a, k) is not None and ck["state"]["phase"] == phase and ck["state"]["total"] is None:
                 keep[k] = getattr(a, k)
+        chat_started = ck["state"]["phase"] == "done" or (
+            ck["state"]["phase"] == "chat" and ck["state"]["total"] is not None
+        )
+        given = [k for k in CHAT_OPTIONS if getattr(a, k) is not None]
+        if given and chat_started:
+            flags = ", ".join("--" + k.replace("_", "-") for k in given)
+            raise SystemExit(f"{flags}: the run's chat phase has started with its own; resume without them")
+        keep.update({k: getattr(a, k) for k in given})  # the chat phase is still to come: these win
         a = argparse.Namespace(**{**vars(a), **ck["args"], **keep})  # options newer than the run: defaults
-    for k, v in (("minutes", 75.0), ("chat_minutes", 15.0), ("threads", 2)):
+    for k, v in (("minutes", 75.0), ("chat_minutes", 15.0), ("threads", 2), ("chat_lr", 1e-3), ("renamed_copies", 0)):
         if getattr(a, k) is None:
             setattr(a, k, v)
     fh = open(run / "train.log", "a" if ck else "w")
@@ -553,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
         help="warm start from this checkpoint (e.g. p2pk3/assets/k3-docs): weights, tokenizer",
     )
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--chat-lr", type=float, default=1e-3)
+    ap.add_argument("--chat-lr", type=float, default=None, help="peak learning rate of phase 2 (1e-3)")
     ap.add_argument("--wd", type=float, default=0.1)
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--eval-every", type=int, default=100)
@@ -566,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--renamed-copies",
         type=int,
-        default=0,
+        default=None,
         help="chat phase: add the conversations about made-up names (doc_corpus.agent.renamed) this many times",
     )
     ap.add_argument(
