@@ -175,3 +175,30 @@ def test_the_attention_profile_reads_an_induction_head_and_a_uniform_one(monkeyp
         if k != first:
             assert math.isclose(ent, 1.0, rel_tol=1e-5) and math.isclose(on_copy, uniform, rel_tol=1e-5)
             assert math.isclose(uni, uniform)
+
+
+def test_first_tokens_of_a_prefix_are_those_of_the_whole_text():
+    """The probe encodes only a prefix of each document; its first n tokens must be the whole document's,
+    checked against encoding the whole text with the shipped tokenizer, on prose, code, long runs of one
+    punctuation mark or of spaces across the cut (a long run of spaces is ~31 characters a token, so the first prefix
+    can be too short), and texts shorter than n tokens."""
+    from p2pk3.tokenizer import load_tokenizer
+    from tools.copy_probe import first_tokens
+
+    tok = load_tokenizer("p2pk3/assets/k3-docs")
+    rng = random.Random(1)
+    words = "the file descriptor returns a value os.path.join(a, b) -> None\n    def f(x):\n".split(" ")
+    texts = []
+    for i in range(30):
+        parts = [rng.choice(words) for _ in range(rng.randrange(5, 400))]
+        if i % 3 == 0:
+            parts.insert(rng.randrange(len(parts)), "=" * rng.randrange(50, 900))
+        if i % 4 == 0:
+            parts.insert(rng.randrange(len(parts)), " " * rng.randrange(50, 900))
+        texts.append(" ".join(parts))
+    texts += [" " * 3000 + "the end of it " * 50, "word " * 40 + " " * 5000 + "x = 1\n" * 60]  # ~31 spaces a token
+    for text in texts:
+        whole = tok.encode(text)
+        for n in (8, 64, 128):
+            assert first_tokens(tok, text, n)[:n] == whole[:n]
+            assert len(first_tokens(tok, text, n)) >= min(n, len(whole))

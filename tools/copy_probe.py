@@ -62,10 +62,28 @@ def heldout_passages(tok, corpus: str | None, count: int, tokens: int) -> list[l
 
     docs = doc_corpus.load_documents(corpus)
     held = doc_corpus.split_documents(docs)["heldout"]
-    out = [ids[:tokens] for ids in (tok.encode(held[k]) for k in sorted(held)) if len(ids) >= tokens]
+    out = []
+    for k in sorted(held):
+        ids = first_tokens(tok, held[k], tokens)
+        if len(ids) >= tokens:
+            out.append(ids[:tokens])
+        if len(out) == count:
+            break
     if not out:
         raise SystemExit(f"no held-out document has {tokens} tokens: lower --tokens")
-    return out[:count]
+    return out
+
+
+def first_tokens(tok, text: str, n: int, margin: int = 16) -> list[int]:
+    """The tokens of `text` up to the n-th, encoding only a prefix of it: a prefix's encoding agrees with the
+    whole text's except in its last pre-token (byte-level BPE merges never cross one), so a prefix that yields
+    n + `margin` tokens gives the first n exactly; else the prefix is doubled (at most the whole text)."""
+    cut = 8 * (n + margin)
+    while True:
+        ids = tok.encode(text[:cut])
+        if cut >= len(text) or len(ids) >= n + margin:
+            return ids[: n + margin] if cut < len(text) else ids
+        cut *= 2
 
 
 def stage_predictor(stage) -> Callable[[list[int]], list[int]]:
