@@ -19,7 +19,11 @@ template, packed into rows; the loss is on the answer tokens (and the closing `<
 each batch stays plain text, so that the model keeps its language model.
 
 Resumable: `ckpt.pt` in --run (weights, optimizer, data generator, phase, step, schedule, history) is
-rewritten every `--ckpt-minutes` and at each phase end; `--resume` continues from it with the same schedule.
+rewritten every `--ckpt-minutes` and at each phase end; `--resume` continues from it with the same schedule
+and the run's own options, except: `--extend-to N` lengthens the current phase's schedule to N steps (the
+cosine stretched from the current step; a schedule of steps then, not of minutes), `--threads`, and the
+options of a phase not started yet (`--minutes`, `--chat-minutes`, `--chat-steps`, `--chat-lr`,
+`--chat-batch`, `--chat-seq`, `--renamed-copies`).
 Outputs: train.log, loss.png, metrics.json, master.pt (fp32 masters, canonical names), the export + model card.
 
 Speed: the KDA prefill reference runs with 16-token chunks here (`kda_ref.CHUNK`; any chunk is the same
