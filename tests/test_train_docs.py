@@ -303,3 +303,29 @@ def test_extend_to_lengthens_a_resumed_schedule_and_nothing_else(tmp_path, capsy
     with pytest.raises(SystemExit) as e:
         td.main(["--extend-to", "9"])
     assert e.value.code == 2 and "--extend-to lengthens a resumed run's schedule" in capsys.readouterr().err
+
+
+def test_random_copies_mask_exactly_the_copied_tokens_of_each_second_copy():
+    # the oracle: with ids from a huge range two spans never share a token, so each span's length is the
+    # one shift at which the row repeats itself; the mask must cover a second copy's tokens after its first
+    n, high = 700, 10**9
+    row, mask = td.random_copies(n, high, torch.Generator().manual_seed(3))
+    row = row.tolist()
+    assert len(row) == n and mask.shape == (n - 1,) and set(mask.tolist()) <= {0.0, 1.0}
+    assert all(0 <= t < high for t in row)
+    want, p, spans = [0.0] * n, 0, 0
+    while True:
+        ls = [L for L in range(8, 33) if p + 2 * L <= n and row[p : p + L] == row[p + L : p + 2 * L]]
+        if not ls:
+            break
+        assert len(ls) == 1, "two span lengths fit: the spans are not random"
+        L = ls[0]
+        for j in range(p + L + 1, p + 2 * L):
+            want[j] = 1.0
+        p, spans = p + 2 * L, spans + 1
+    assert spans >= n // 70 and n - p < 64, "the row is not spans written twice to its end"
+    assert mask.tolist()[: p - 1] == want[1:p]  # target j - 1 predicts row[j]
+    # the cut-off tail: whatever it masks is a copy of a token one span length back
+    for j in range(p, n):
+        if mask[j - 1]:
+            assert any(row[j] == row[j - L] for L in range(8, 33))

@@ -237,6 +237,20 @@ def repeated(row: torch.Tensor) -> torch.Tensor:
     return torch.cat([row[:half], row[: len(row) - half]])
 
 
+def random_copies(n: int, high: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row of n tokens made of random spans (8-32 ids drawn from [0, high), no special token) each written twice, and the
+    loss mask of its n - 1 targets: only a second copy's tokens after its first, the ones that copying alone
+    predicts. Natural text written twice (`repeated`) is half predictable without copying, and a warm-started
+    model did not learn to copy from it (docs/quality.md); random spans leave copying the only way down."""
+    row, mask = [], []
+    while len(row) < n:
+        span = torch.randint(0, high, (int(torch.randint(8, 33, (1,), generator=gen)),), generator=gen).tolist()
+        row += span + span
+        mask += [0.0] * (len(span) + 1) + [1.0] * (len(span) - 1)
+    # mask[j] weighs the prediction of row[j] (the first token has none): targets are row[1:], so drop one
+    return torch.tensor(row[:n]), torch.tensor(mask[1:n])
+
+
 def save_ckpt(path: Path, state: dict) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
@@ -368,6 +382,9 @@ def train(a) -> int:
             for i in (torch.rand(n_text, generator=gen) < a.repeat_share).nonzero().flatten().tolist():
                 xs[i] = repeated(xs[i])
         ms = [torch.ones(T_)] * n_text
+        if getattr(a, "random_copy_share", 0):  # random spans written twice: the loss on second copies only
+            for i in (torch.rand(n_text, generator=gen) < a.random_copy_share).nonzero().flatten().tolist():
+                xs[i], ms[i] = random_copies(T_ + 1, min(tok.special.values()), gen)
         if n_text < rows:
             pick = torch.randint(0, len(crow), (rows - n_text,), generator=gen)
             xs += [crow[i] for i in pick.tolist()]
@@ -444,7 +461,11 @@ def train(a) -> int:
                     log(f"[{phase}] step {step:5d}  val answer loss {va:.4f}  val text loss {vt:.4f}", fh)
             state["step"] = step + 1
             done_here += 1
-            if a.stop_after_steps and done_here >= a.stop_after_steps and state["step"] < state["total"]:
+            if (
+                a.stop_after_steps
+                and done_here >= a.stop_after_steps
+                and (state["total"] is None or state["step"] < state["total"])
+            ):
                 checkpoint()  # as if the process had been killed right after a checkpoint
                 log(f"[{phase}] stopping after {done_here} steps (--stop-after-steps); continue with --resume", fh)
                 fh.close()
@@ -589,6 +610,13 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=0.0,
         help="share of plain-text rows written as a passage twice, a copy task (0: none)",
+    )
+    ap.add_argument(
+        "--random-copy-share",
+        type=float,
+        default=0.0,
+        help="share of plain-text rows replaced by random token spans each written twice, the loss on the "
+        "second copies only: a copy task no language model solves without copying (0: none)",
     )
     ap.add_argument(
         "--fresh-init",
