@@ -3,6 +3,7 @@ below was written by hand."""
 
 import hashlib
 import json
+import pytest
 
 from tools import doc_corpus as dc
 
@@ -343,3 +344,6 @@ def test_load_documents_reads_sources_and_reuses_its_cache(tmp_path, monkeypatch
     assert json.loads((tmp_path / "cache" / "docs.json").read_text()) == docs
     monkeypatch.setattr(dc, "PY_SOURCES", tmp_path / "gone")
     assert dc.load_documents(tmp_path / "cache") == docs
+    # no cache and no Python docs: not a corpus of man pages alone (its splits and questions would differ)
+    with pytest.raises(RuntimeError, match=r"no Python documentation sources at .*gone: install them"):
+        dc.load_documents(tmp_path / "other")

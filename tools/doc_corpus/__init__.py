@@ -85,7 +85,12 @@ def load_documents(cache: str | Path | None = None) -> dict[str, str]:
     if rendered is None:
         rendered = render_man(man_files())
         write("man_rendered.json", rendered)
-    sources = py_sources() if PY_SOURCES.is_dir() else {}
+    if not PY_SOURCES.is_dir():  # without it the corpus, its splits and every held-out question would change
+        raise RuntimeError(
+            f"no Python documentation sources at {PY_SOURCES}: install them (apt-get install python3.11-doc) "
+            "and run again; the demo corpus is the Python docs and the man pages together"
+        )
+    sources = py_sources()
     labels = rst_labels(sources)
     docs = {name: clean_rst(text, labels) for name, text in sources.items() if name != "py/whatsnew/changelog"}
     docs.update({name: clean_man(text) for name, text in rendered.items()})
