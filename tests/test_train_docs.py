@@ -329,3 +329,17 @@ def test_random_copies_mask_exactly_the_copied_tokens_of_each_second_copy():
     for j in range(p, n):
         if mask[j - 1]:
             assert any(row[j] == row[j - L] for L in range(8, 33))
+
+
+def test_random_copies_from_a_pool_draw_only_its_ids_and_mask_the_same_way():
+    # a pool of ids far apart (no two spans' tokens collide by chance less than in the range above): every
+    # token is a pool id, every pool id turns up, and the row is still spans written twice with the mask on
+    # the second copies (checked as in the test above, on the row's own repetitions)
+    pool = torch.tensor([5, 17, 400, 4000, 9])
+    row, mask = td.random_copies(600, 10**9, torch.Generator().manual_seed(4), pool)
+    row = row.tolist()
+    assert set(row) == set(pool.tolist())
+    for j in range(1, 600):
+        if mask[j - 1]:
+            assert any(row[j] == row[j - L] and row[j - 1] == row[j - 1 - L] for L in range(8, 33))
+    assert 0.3 < float(mask.mean()) < 0.5  # about half of each pair, less the first token of each copy

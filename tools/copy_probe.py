@@ -7,6 +7,8 @@ one that does not scores the two alike. The skill every open answer figure of th
     python -m tools.copy_probe --learn 1500      # how fast a fresh small K3 learns to copy, beside a plain
                                                  # torch.nn transformer on the same task (minutes per 100 steps)
     python -m tools.copy_probe --learn 600 --init mla-fanin --no-oracle   # from another start (INIT_VARIANTS)
+    python -m tools.copy_probe --learn 800 --vocab 4064 --copy-vocab 128   # a curriculum's first ids
+    python -m tools.copy_probe runs/NAME/ckpt.pt --random-ids 128   # random ids, as train_docs --copy-vocab
 
 MODEL_OR_CKPT: an exported model folder (p2pk3/assets/k3-docs) or a training run's checkpoint
 (runs/NAME/ckpt.pt, master.pt; its tokenizer is the run's)."""
@@ -21,6 +23,23 @@ from pathlib import Path
 import torch
 
 from tools.trainlib.model import INIT_VARIANTS
+
+
+def random_passages(tok, corpus: str | None, count: int, tokens: int, ids: int, seed: int = 0) -> list[list[int]]:
+    """`count` passages of `tokens` random ids: from the train text's `ids` most frequent ones (train_docs
+    `copy_pool`, the ids `--copy-vocab` trains the copy on), or from every non-special id (`ids` 0). Random ids
+    leave copying the only way to predict a second copy (a first copy is at chance)."""
+    from tools import doc_corpus
+    from tools.train_docs import copy_pool, encode_stream
+
+    high = min(tok.special.values())
+    if ids:
+        train = doc_corpus.split_documents(doc_corpus.load_documents(corpus))["train"]
+        pool = copy_pool(torch.tensor(encode_stream(tok, train)), high, ids)
+    else:
+        pool = torch.arange(high)
+    gen = torch.Generator().manual_seed(seed)
+    return [pool[torch.randint(0, len(pool), (tokens,), generator=gen)].tolist() for _ in range(count)]
 
 
 def copy_accuracy(predict: Callable[[list[int]], list[int]], passages: Sequence[list[int]]) -> tuple[float, float]:
@@ -176,12 +195,15 @@ def learn(
     B: int = 32,
     init: str = "train",
     oracle: bool = True,
+    copy_vocab: int | None = None,
 ) -> dict[str, int | None]:
     """Train a fresh small K3 (tools/trainlib `tiny_config`, hidden 64, 5 layers: 3 KDA + 2 MLA, started as the
     training script starts it with the variant `init` of tools/trainlib INIT_VARIANTS) and, unless `oracle` is
     off, `plain_transformer` side by side on random passages of L tokens written twice; print the loss and the
     second copy's accuracy of both every `every` steps. A copier's loss falls from ln(vocab) towards half of it. Returns, per model, the first
-    printed step whose second-copy accuracy is at least 0.5 (None: never)."""
+    printed step whose second-copy accuracy is at least 0.5 (None: never). `copy_vocab`: the passages are drawn from
+    the first copy_vocab ids only (a curriculum), and each printed step also gives the second copy of a batch
+    drawn from the whole vocabulary, not trained on: whether the copy learned on a few ids is a copy of any."""
     import torch.nn.functional as F
 
     from p2pk3.model.stage import K3Stage, StagePlan
@@ -200,7 +222,7 @@ def learn(
     opts = {k: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=lr) for k, (m, _) in models.items()}
     copied: dict[str, int | None] = dict.fromkeys(models)
     for step in range(steps + 1):
-        x = torch.randint(3, vocab, (B, L))
+        x = torch.randint(3, min(vocab, 3 + copy_vocab) if copy_vocab else vocab, (B, L))
         seq = torch.cat([x, x], 1)
         row = []
         for k, (m, fwd) in models.items():
@@ -213,6 +235,13 @@ def learn(
             opts[k].step()
             acc = (lg[:, L:].argmax(-1) == seq[:, L + 1 :]).float().mean().item()
             row.append(f"{k}: loss {loss.item():.3f}, second copy {acc:.2f}")
+            if copy_vocab and step % every == 0:
+                m.eval()
+                with torch.no_grad():
+                    y = torch.randint(3, vocab, (B, L))
+                    ys = torch.cat([y, y], 1)
+                    wide = (fwd(ys[:, :-1])[:, L:].argmax(-1) == ys[:, L + 1 :]).float().mean().item()
+                row[-1] += f" (all {vocab} ids: {wide:.2f})"
             if step % every == 0 and acc >= 0.5 and copied[k] is None:
                 copied[k] = step
         if step % every == 0:
@@ -229,21 +258,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=1e-3, help="--learn: AdamW learning rate of both models")
     ap.add_argument("--init", choices=sorted(INIT_VARIANTS), default="train", help="--learn: the small K3's start")
     ap.add_argument("--no-oracle", action="store_true", help="--learn: train the small K3 alone")
+    ap.add_argument("--vocab", type=int, default=128, help="--learn: the small models' vocabulary")
+    ap.add_argument(
+        "--copy-vocab", type=int, default=None, help="--learn: passages from the first N ids only (a curriculum)"
+    )
     ap.add_argument(
         "--attention", action="store_true", help="also each MLA layer's sharpness and weight on the copied token"
     )
     ap.add_argument("--corpus", default="runs/corpus", help="tools.doc_corpus cache (default runs/corpus)")
     ap.add_argument("--passages", type=int, default=24)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument(
+        "--random-ids",
+        type=int,
+        default=None,
+        metavar="N",
+        help="passages of random ids instead of held-out text: from the train text's N most frequent (as "
+        "train_docs --copy-vocab N draws them), 0 for every non-special id",
+    )
     a = ap.parse_args(argv)
     if a.learn:
-        learn(a.learn, a.lr, init=a.init, oracle=not a.no_oracle)
+        learn(a.learn, a.lr, vocab=a.vocab, init=a.init, oracle=not a.no_oracle, copy_vocab=a.copy_vocab)
     for m in a.models:
         stage, tok = load(m)
-        passages = heldout_passages(tok, a.corpus, a.passages, a.tokens)
+        if a.random_ids is None:
+            passages = heldout_passages(tok, a.corpus, a.passages, a.tokens)
+        else:
+            passages = random_passages(tok, a.corpus, a.passages, a.tokens, a.random_ids)
         first, second = copy_accuracy(stage_predictor(stage), passages)
+        what = "held-out passage" if a.random_ids is None else f"passage of random ids ({a.random_ids or 'all'})"
         print(
-            f"{m}: held-out passage written twice, next-token accuracy: first copy {first:.2f}, "
+            f"{m}: {what} written twice, next-token accuracy: first copy {first:.2f}, "
             f"second copy {second:.2f} ({second / max(first, 1e-9):.2f}x)"
         )
         if a.attention:
