@@ -343,3 +343,29 @@ def test_random_copies_from_a_pool_draw_only_its_ids_and_mask_the_same_way():
         if mask[j - 1]:
             assert any(row[j] == row[j - L] and row[j - 1] == row[j - 1 - L] for L in range(8, 33))
     assert 0.3 < float(mask.mean()) < 0.5  # about half of each pair, less the first token of each copy
+
+
+def test_a_warm_start_from_a_run_folder_takes_its_stage_tokenizer_and_steps(tmp_path):
+    """--init-from RUN (a curriculum stage): the stage starts as RUN's ckpt.pt holds it, tensor for tensor, with
+    RUN's tokenizer, and the lineage counts RUN's steps so far (3 of 4 x 64 text tokens, no chat yet)."""
+    from p2pk3.model.stage import K3Stage, StagePlan
+    from tools.trainlib import lineage
+    from tools.trainlib.model import init_stage
+    from tools.trainlib.warm_start import export_config, load_export
+
+    cache = synthetic_corpus(tmp_path)
+    assert td.main(ARGS + ["--run", str(tmp_path / "a"), "--corpus", str(cache), "--stop-after-steps", "3"]) == 0
+    held = torch.load(tmp_path / "a" / "ckpt.pt", weights_only=False)["stage"]
+    warm = K3Stage(export_config(tmp_path / "a"), StagePlan.whole(export_config(tmp_path / "a")))
+    init_stage(warm, seed=7)
+    assert load_export(warm, tmp_path / "a") == len(held)
+    got = warm.state_dict()
+    assert got.keys() == held.keys() and all(torch.equal(got[k], held[k]) for k in held)
+    args = ARGS + ["--run", str(tmp_path / "b"), "--corpus", str(cache), "--init-from", str(tmp_path / "a")]
+    assert td.main(args + ["--steps", "1", "--chat-steps", "1"]) == 0
+    runs = json.loads((tmp_path / "b" / lineage.FILE).read_text())
+    assert [(r["warm_start"], r["text_tokens"], r["chat_tokens"]) for r in runs] == [(False, 3 * 4 * 64, 0)]
+    for f in ("tokenizer.json",):
+        assert json.loads((tmp_path / "b" / "tokenizer" / f).read_text())["model"] == json.loads(
+            (tmp_path / "a" / "tokenizer" / f).read_text()
+        )["model"]

@@ -336,7 +336,7 @@ def train(a) -> int:
         if getattr(a, "redraw", None):  # these tensors start afresh (the rest keeps what it learnt)
             drawn = redraw(stage, a.redraw, a.seed)
             log(f"redrawn as in init variant {a.redraw}: {len(drawn)} tensors ({', '.join(drawn[:4])}, ...)", fh)
-        lineage.write(run, lineage.runs_before(a.init_from))  # before an export into the same folder replaces it
+        lineage.write(run, lineage.runs_through(a.init_from))  # before an export into the same folder replaces it
     stage.train()
     decay = [p for n, p in stage.named_parameters() if p.requires_grad and p.dim() >= 2 and "embed" not in n]
     no_decay = [p for n, p in stage.named_parameters() if p.requires_grad and not (p.dim() >= 2 and "embed" not in n)]
@@ -561,7 +561,7 @@ def finish(run: str | Path, export_dir: str | Path, ring: int = 0) -> dict:
     a = argparse.Namespace(**mk["args"])
     # what a warm start continued: recorded in the run when it started, else read before the export replaces it
     if not (run / lineage.FILE).exists():  # a run started before lineage: recorded once, so finishing twice counts once
-        lineage.write(run, lineage.runs_before(getattr(a, "init_from", None)))
+        lineage.write(run, lineage.runs_through(getattr(a, "init_from", None)))
     earlier = lineage.runs_before(run)
     export(export_dir, cfg, mk["state_dict"], run / "tokenizer", {}, [])
     master = K3Stage(cfg, StagePlan.whole(cfg))  # the training module: float master experts, QAT forward
@@ -598,7 +598,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--init-from",
         default=None,
-        help="warm start from this checkpoint (e.g. p2pk3/assets/k3-docs): weights, tokenizer",
+        help="warm start from this checkpoint (e.g. p2pk3/assets/k3-docs) or training run folder (its ckpt.pt: a "
+        "curriculum of runs, each with its own options): weights, tokenizer",
     )
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--chat-lr", type=float, default=None, help="peak learning rate of phase 2 (1e-3)")

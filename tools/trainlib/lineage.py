@@ -11,6 +11,7 @@ its own, so the model card counts every token the weights have seen, however man
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 FILE = "training_runs.json"
@@ -44,6 +45,25 @@ def runs_before(init_from: str | Path | None) -> list[dict]:
     if p.exists():
         return json.loads(p.read_text())
     return [dict(r) for r in BEFORE_THE_FILE]
+
+
+def runs_through(init_from: str | Path | None) -> list[dict]:
+    """What a warm start from `init_from` continues: an export's runs, or a training run's folder's (the runs
+    before it) and its own steps so far, read from its `ckpt.pt`."""
+    if not init_from or not (Path(init_from) / "ckpt.pt").exists() or (Path(init_from) / "config.json").exists():
+        return runs_before(init_from)
+    import argparse
+
+    import torch
+
+    ck = torch.load(Path(init_from) / "ckpt.pt", map_location="cpu", weights_only=False)
+    st, a = ck["state"], argparse.Namespace(**ck["args"])
+    steps = {ph: len(st["hist"][ph]["step"]) for ph in ("pretrain", "chat")}
+    minutes = sum(st["elapsed"].values()) / 60
+    date = time.strftime("%Y-%m-%d", time.gmtime((Path(init_from) / "ckpt.pt").stat().st_mtime))
+    f = Path(init_from) / FILE  # written when the run started warm; a run from scratch has none
+    before = json.loads(f.read_text()) if f.exists() else runs_through(getattr(a, "init_from", None))
+    return before + [this_run(date, bool(getattr(a, "init_from", None)), steps, a, minutes)]
 
 
 def this_run(date: str, warm_start: bool, steps: dict, a, minutes: float) -> dict:

@@ -11,6 +11,10 @@ forward fake-quantizes the masters with the quantizer that wrote the checkpoint,
 fixed points, so the warm-started stage computes what the checkpoint computes (up to the BF16 rounding of
 the other matrices, which the checkpoint has too). Optimizer state is not in a checkpoint: training
 re-warms the learning rate.
+
+A training run's folder (its `ckpt.pt`, no `config.json`) is a start too, for a curriculum of runs each with
+its own options (`run_checkpoint`): its fp32 stage exactly, its tokenizer, and the runs before it plus its
+own steps so far in the lineage (`lineage.runs_through`).
 """
 
 from __future__ import annotations
@@ -31,7 +35,17 @@ from p2pk3.quant.convert import dequantize_weight
 _EXPERT = re.compile(r"^(.*)\.experts\.(\d+)\.(w[123])\.weight_packed$")
 
 
+def run_checkpoint(path: str | Path) -> Path | None:
+    """`path`'s `ckpt.pt` where `path` is a training run's folder (no exported `config.json`), else None."""
+    path = Path(path)
+    ck = path / "ckpt.pt"
+    return ck if ck.exists() and not (path / "config.json").exists() else None
+
+
 def export_config(model_dir: str | Path) -> K3Config:
+    ck = run_checkpoint(model_dir)
+    if ck is not None:
+        return K3Config.from_hf_dict(torch.load(ck, map_location="cpu", weights_only=False)["config"])
     return K3Config.from_hf_dict(json.loads((Path(model_dir) / "config.json").read_text()))
 
 
@@ -51,6 +65,11 @@ def load_export(stage: K3Stage, model_dir: str | Path) -> int:
     """Copy the checkpoint in `model_dir` into the training `stage` (module doc); returns the number of
     tensors read. Raises SystemExit naming the first tensor that has no place or no value."""
     model_dir = Path(model_dir)
+    ck = run_checkpoint(model_dir)
+    if ck is not None:  # a training run: its fp32 parameters and buffers as they are
+        sd = torch.load(ck, map_location="cpu", weights_only=False)["stage"]
+        stage.load_state_dict(sd)
+        return len(sd)
     pre = default_prefix(stage.cfg)
     sd = _tensors(model_dir)
     params = dict(stage.named_parameters()) | dict(stage.named_buffers())
@@ -93,6 +112,8 @@ def upgrade_tokenizer(src: str | Path, dst: str | Path) -> Path:
     from p2pk3.tokenizer.bpe import CHAT_TEMPLATE, special_tokens
 
     src, dst = Path(src), Path(dst)
+    if run_checkpoint(src) is not None:
+        src = src / "tokenizer"
     dst.mkdir(parents=True, exist_ok=True)
     tc = json.loads((src / "tokenizer_config.json").read_text())
     names = dict(special_tokens(tc["num_base_tokens"]))
