@@ -366,6 +366,7 @@ def test_a_warm_start_from_a_run_folder_takes_its_stage_tokenizer_and_steps(tmp_
     runs = json.loads((tmp_path / "b" / lineage.FILE).read_text())
     assert [(r["warm_start"], r["text_tokens"], r["chat_tokens"]) for r in runs] == [(False, 3 * 4 * 64, 0)]
     for f in ("tokenizer.json",):
-        assert json.loads((tmp_path / "b" / "tokenizer" / f).read_text())["model"] == json.loads(
-            (tmp_path / "a" / "tokenizer" / f).read_text()
-        )["model"]
+        assert (
+            json.loads((tmp_path / "b" / "tokenizer" / f).read_text())["model"]
+            == json.loads((tmp_path / "a" / "tokenizer" / f).read_text())["model"]
+        )
