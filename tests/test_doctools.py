@@ -145,7 +145,9 @@ def test_renamed_conversations_can_only_be_answered_by_copying_the_made_up_name(
                     seen["call"] += 1
                     call = msgs[1]["tool_calls"][0]["function"]
                     assert (call["name"], json.loads(call["arguments"])) == (tool, {"name": new})
-                    assert new in msgs[3]["content"] or tool == "python_doc"
+                    head = msgs[2]["content"].split("\n")[0]  # the answer: the renamed result's first paragraph
+                    assert msgs[3]["content"] == (head.split(": ", 1)[-1] if tool == "man_page" else head)
+                    assert "manual page says" not in msgs[3]["content"]
     assert seen["pair"] == 2 * 6 and seen["call"] == 6 * sum(agent.item_key(k, q) is not None for k, q, _, _ in items)
     rng = random.Random(0)
     for name in ("re.sub", "PyCodec_Unregister", "memusage", "os.path.join", "x"):

@@ -70,11 +70,12 @@ def _call(i: int, tool: str, name: str) -> dict:
 
 
 def _restate(tool: str, name: str, result: str) -> str:
+    """The answer after a tool call: the result's first paragraph (a man page's without its `name(sec): `
+    header), the answer a question/answer pair about the same document gives. An opening that named the source
+    ("The getpagesize manual page says: ...", the third run's) was learnt as the start of every answer about a
+    command, with no tool called and a wrong name (docs/quality.md)."""
     first = result.split("\n")[0]
-    if tool == "man_page":
-        first = first.split(": ", 1)[-1]
-        return f"The {name} manual page says: {first}"
-    return f"From the Python documentation: {first}"
+    return first.split(": ", 1)[-1] if tool == "man_page" else first
 
 
 def tool_conversations(items, tools: DocTools, seed: int) -> list[tuple[list[dict], list[dict]]]:
