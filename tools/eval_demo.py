@@ -172,7 +172,8 @@ def evaluate_export(
         "steps": {k: len(v["step"]) for k, v in state["hist"].items()},
         "tokens_seen_pretrain": len(state["hist"]["pretrain"]["step"]) * a.batch * a.seq,
         "final_train_loss": statistics.mean(state["hist"]["pretrain"]["loss"][-20:]),
-        "val_loss": state["hist"]["pretrain"]["val_loss"][-1],
+        # None: a run with no pretrain validation (--eval-every past its steps, as the copy curriculum's stages)
+        "val_loss": (state["hist"]["pretrain"]["val_loss"] or [None])[-1],
         "chat_val_answer_loss": state["hist"]["chat"]["val_loss"][-1] if state["hist"]["chat"]["val_loss"] else None,
     }
     finished = Path(run, "master.pt").stat().st_mtime if Path(run, "master.pt").exists() else time.time()
