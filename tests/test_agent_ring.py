@@ -149,18 +149,21 @@ def test_a_refused_grammar_fails_only_its_request(ring, prompts):
 
 
 def test_generation_config_defaults_apply(tmp_path, prompts):
-    """repetition_penalty and min_p of generation_config.json are the defaults of every front end."""
+    """The penalties and min_p of generation_config.json are the defaults of every front end."""
     import shutil
 
     d = tmp_path / "m"
     shutil.copytree(MODEL, d, ignore=shutil.ignore_patterns("*.safetensors"))
     cfg = json.loads((d / "generation_config.json").read_text())
-    (d / "generation_config.json").write_text(json.dumps({**cfg, "repetition_penalty": 1.3, "min_p": 0.05}))
+    (d / "generation_config.json").write_text(
+        json.dumps({**cfg, "repetition_penalty": 1.3, "min_p": 0.05, "frequency_penalty": 0.4})
+    )
     pb = PromptBuilder.from_pretrained(d)
     p = pb.text("The with statement", SamplingOverrides()).params
-    assert (p.repetition_penalty, p.min_p, p.frequency_penalty) == (1.3, 0.05, 0.0)
-    p = pb.text("The with statement", SamplingOverrides(repetition_penalty=1.0, min_p=0.0)).params
-    assert (p.repetition_penalty, p.min_p) == (1.0, 0.0)
+    assert (p.repetition_penalty, p.min_p, p.frequency_penalty, p.presence_penalty) == (1.3, 0.05, 0.4, 0.0)
+    asked = SamplingOverrides(repetition_penalty=1.0, min_p=0.0, frequency_penalty=0.0, presence_penalty=0.3)
+    p = pb.text("The with statement", asked).params
+    assert (p.repetition_penalty, p.min_p, p.frequency_penalty, p.presence_penalty) == (1.0, 0.0, 0.0, 0.3)
     shipped = json.loads((MODEL / "generation_config.json").read_text()).get("repetition_penalty", 1.0)
     assert prompts.text("x", SamplingOverrides()).params.repetition_penalty == shipped  # the embedded model's
 

@@ -348,7 +348,12 @@ def test_generation_defaults(tmp_path):
     assert load({"do_sample": True}).temperature == 1.0
     g = load({"max_new_tokens": 12, "max_length": 100, "eos_token_id": 3})
     assert g.max_tokens(90) == 12 and g.eos_token_id == (3,) and g.temperature == 0.0
+    assert (g.frequency_penalty, g.presence_penalty) == (0.0, 0.0)  # the output-only penalties: off unless given
+    g = load({"frequency_penalty": 0.5, "presence_penalty": -0.25})
+    assert (g.frequency_penalty, g.presence_penalty, g.repetition_penalty) == (0.5, -0.25, 1.0)
     for bad, key in (
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"presence_penalty": "high"}, "presence_penalty"),
         ({"top_p": 0}, "top_p"),
         ({"temperature": -1}, "temperature"),
         ({"top_k": 1.5}, "top_k"),

@@ -231,6 +231,12 @@ def test_tuned_defaults_are_named_in_the_model_card(tmp_path):
     card = (tmp_path / "README.md").read_text()
     assert "`generation_config.json`: temperature 0.7, top_p 0.9, repetition penalty 1.2, chosen by measurement" in card
     assert "1.0" not in card
+    write_defaults(tmp_path, 0.0, 1.0, 1.0, 0.6)  # the output-only penalty, written and named
+    assert json.loads((tmp_path / "generation_config.json").read_text())["frequency_penalty"] == 0.6
+    card = (tmp_path / "README.md").read_text()
+    assert "`generation_config.json`: greedy, repetition penalty 1.0, frequency penalty 0.6, chosen by" in card
+    write_defaults(tmp_path, 0.0, 1.0, 1.2)
+    assert "frequency_penalty" not in json.loads((tmp_path / "generation_config.json").read_text())
     assert not refresh_sampling_line(tmp_path / "nowhere")
 
 

@@ -40,6 +40,8 @@ def sampling_line(out_dir: Path) -> str:
     defaults = (
         f"temperature {gen.get('temperature')}, top_p {gen.get('top_p')}" if gen.get("do_sample") else "greedy"
     ) + f", repetition penalty {gen.get('repetition_penalty', 1.0)}"
+    if gen.get("frequency_penalty"):
+        defaults += f", frequency penalty {gen['frequency_penalty']}"
     return f"`generation_config.json`: {defaults}"
 
 

@@ -3,15 +3,16 @@
     python -m tools.tune_defaults --model p2pk3/assets/k3-docs --corpus runs/corpus --out runs/tune [--write]
         [--old runs/k3-docs-old]
 
-1. Choice. Each candidate (temperature, top_p, repetition_penalty) answers the 20 *validation* questions
+1. Choice. Each candidate (temperature, top_p, repetition_penalty, frequency_penalty) answers the 20 *validation* questions
    (`doc_corpus.fixed_questions(split, "val", 20)`; sampled candidates with seeds 0..SEEDS-1). Per candidate:
    the answers that loop and the mean word-overlap score (tools/eval_demo.py `overlap_score`). The choice:
    the fewest looping answers; among those, the candidates within `SCORE_TIE` of the best score count as
-   equal, and of them a greedy one wins (the same answer every time), then the weaker penalty, then the
-   higher score. Validation documents were never trained on, and the
+   equal, and of them a greedy one wins (the same answer every time), then the weaker repetition penalty,
+   then the weaker frequency penalty, then the higher score. The repetition penalty counts the prompt too, so
+   it also holds back the name a question asks about; the frequency penalty counts the answer only. Validation documents were never trained on, and the
    held-out ones below are not looked at while choosing.
 2. `--write`: the model's generation_config.json gets the choice (`do_sample`, `temperature`, `top_p`,
-   `repetition_penalty`; every front end applies them through p2pk3/frontends/prompt.py).
+   `repetition_penalty`, `frequency_penalty`; every front end applies them through p2pk3/frontends/prompt.py).
 3. Figures with the chosen defaults, through the front ends' prompt path (`PromptBuilder`): the 20 held-out
    questions (loops, score, each answer), the README's scripted question, and 20 held-out tool prompts
    (both tools declared, no grammar): the share whose output parses (p2pk3/agent/toolcalls.py) to a call of
@@ -40,19 +41,25 @@ from tools.eval_demo import overlap_score  # noqa: E402
 SEEDS = 2
 MAX_NEW = 128
 SCORE_TIE = 0.02
-CANDIDATES = [  # (temperature, top_p, repetition_penalty)
-    (0.0, 1.0, 1.0),
-    (0.0, 1.0, 1.1),
-    (0.0, 1.0, 1.2),
-    (0.0, 1.0, 1.3),
-    (0.0, 1.0, 1.5),
-    (0.3, 0.9, 1.1),
-    (0.3, 0.9, 1.2),
-    (0.5, 0.9, 1.1),
-    (0.5, 0.9, 1.2),
-    (0.7, 0.9, 1.1),
-    (0.7, 0.95, 1.0),
+CANDIDATES = [  # (temperature, top_p, repetition_penalty, frequency_penalty)
+    (0.0, 1.0, 1.0, 0.0),
+    (0.0, 1.0, 1.1, 0.0),
+    (0.0, 1.0, 1.2, 0.0),
+    (0.0, 1.0, 1.3, 0.0),
+    (0.0, 1.0, 1.5, 0.0),
+    (0.0, 1.0, 1.0, 0.3),
+    (0.0, 1.0, 1.0, 0.6),
+    (0.0, 1.0, 1.0, 1.0),
+    (0.0, 1.0, 1.1, 0.5),
+    (0.3, 0.9, 1.1, 0.0),
+    (0.3, 0.9, 1.2, 0.0),
+    (0.5, 0.9, 1.1, 0.0),
+    (0.5, 0.9, 1.2, 0.0),
+    (0.5, 0.9, 1.0, 0.5),
+    (0.7, 0.9, 1.1, 0.0),
+    (0.7, 0.95, 1.0, 0.0),
 ]
+KNOBS = ("temperature", "top_p", "repetition_penalty", "frequency_penalty")  # a candidate's fields, in order
 README_QUESTION = "What does the with statement do?"
 
 
@@ -76,11 +83,15 @@ class Answerer:
         self.pipe = Pipeline.load(model_dir, max_sessions=32)
         self.prompts = PromptBuilder.from_pretrained(model_dir)
 
-    def answers(self, messages: list[list[dict]], temp=None, top_p=None, rep=None, seed=None, tools=None, keep=False):
+    def answers(
+        self, messages: list[list[dict]], temp=None, top_p=None, rep=None, freq=None, seed=None, tools=None, keep=False
+    ):
         """[(text, ids)] of each conversation's answer; None knobs: the model's generation_config."""
         from p2pk3.frontends.prompt import SamplingOverrides
 
-        asked = SamplingOverrides(temperature=temp, top_p=top_p, repetition_penalty=rep, seed=seed, max_tokens=MAX_NEW)
+        asked = SamplingOverrides(
+            temperature=temp, top_p=top_p, repetition_penalty=rep, frequency_penalty=freq, seed=seed, max_tokens=MAX_NEW
+        )
         ps = [self.prompts.chat(m, asked, tools) for m in messages]
         outs = self.pipe.generate([p.ids for p in ps], [p.params for p in ps])
         tok = self.prompts.tok
@@ -165,33 +176,38 @@ def score_tools(model: Answerer, prompts) -> dict:
 
 def choose(model: Answerer, val_qs) -> tuple[tuple, list[dict]]:
     table = []
-    for temp, top_p, rep in CANDIDATES:
+    for temp, top_p, rep, freq in CANDIDATES:
         seeds = [None] if temp == 0 else list(range(SEEDS))
-        runs = [score_questions(model, val_qs, temp=temp, top_p=top_p, rep=rep, seed=s) for s in seeds]
+        runs = [score_questions(model, val_qs, temp=temp, top_p=top_p, rep=rep, freq=freq, seed=s) for s in seeds]
         table.append(
             {
                 "temperature": temp,
                 "top_p": top_p,
                 "repetition_penalty": rep,
+                "frequency_penalty": freq,
                 "loops": statistics.mean(r["loops"] for r in runs),
                 "score": statistics.mean(r["score"] for r in runs),
             }
         )
         print(
-            f"  T={temp} top_p={top_p} rep={rep}: loops {table[-1]['loops']:.1f}/20 score {table[-1]['score']:.3f}",
+            f"  T={temp} top_p={top_p} rep={rep} freq={freq}: loops {table[-1]['loops']:.1f}/20 score {table[-1]['score']:.3f}",
             flush=True,
         )
     fewest = min(r["loops"] for r in table)
     top = max(r["score"] for r in table if r["loops"] == fewest)
     tied = [r for r in table if r["loops"] == fewest and r["score"] >= top - SCORE_TIE]
-    best = min(tied, key=lambda r: (r["temperature"] > 0, r["repetition_penalty"], -r["score"]))
-    return (best["temperature"], best["top_p"], best["repetition_penalty"]), table
+    best = min(tied, key=lambda r: (r["temperature"] > 0, r["repetition_penalty"], r["frequency_penalty"], -r["score"]))
+    return tuple(best[k] for k in KNOBS), table
 
 
-def write_defaults(model_dir: Path, temp: float, top_p: float, rep: float) -> None:
+def write_defaults(model_dir: Path, temp: float, top_p: float, rep: float, freq: float = 0.0) -> None:
     p = model_dir / "generation_config.json"
     gen = json.loads(p.read_text())
     gen.update(do_sample=temp > 0, repetition_penalty=rep)
+    if freq:
+        gen.update(frequency_penalty=freq)  # a p2pk3 key (p2pk3/tokenizer/generation.py)
+    else:
+        gen.pop("frequency_penalty", None)
     if temp > 0:
         gen.update(temperature=temp, top_p=top_p)
     else:
@@ -215,14 +231,16 @@ def figures(model: Answerer, held_qs, tprompts) -> dict:
 
 def markdown(res: dict) -> str:
     out = [
-        "| temperature | top_p | repetition penalty | answers that loop (of 20) | word-overlap score |",
-        "|---|---|---|---|---|",
+        "| temperature | top_p | repetition penalty | frequency penalty | answers that loop (of 20) |"
+        " word-overlap score |",
+        "|---|---|---|---|---|---|",
     ]
     ch = res["choice"]
     for r in res["candidates"]:
-        mark = "**" if (r["temperature"], r["top_p"], r["repetition_penalty"]) == tuple(ch) else ""
+        mark = "**" if tuple(r.get(k, 0.0) for k in KNOBS) == tuple(ch) else ""
         out.append(
             f"| {mark}{r['temperature']}{mark} | {r['top_p']} | {r['repetition_penalty']} | "
+            f"{r.get('frequency_penalty', 0.0)} | "
             f"{r['loops']:.1f} | {r['score']:.3f} |"
         )
     out += [
@@ -269,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     new = Answerer(a.model)
     print("choosing on the validation questions:", flush=True)
     choice, table = choose(new, val_qs)
-    print(f"choice: temperature {choice[0]}, top_p {choice[1]}, repetition_penalty {choice[2]}", flush=True)
+    print("choice: " + ", ".join(f"{k} {v}" for k, v in zip(KNOBS, choice)), flush=True)
     if a.write:
         write_defaults(Path(a.model), *choice)
         new = Answerer(a.model)  # its prompts read the new generation_config

@@ -14,8 +14,8 @@ parameters here, so the same question gets the same prompt, stop ids and default
 * stop ids: the checkpoint's (`ChatTokenizer.stop_ids`: generation_config eos ids, eos_token, the
   template's end-of-turn token); none with `ignore_eos`.
 * sampling: what the user set in `SamplingOverrides`; every field left None comes from the checkpoint's
-  `generation_config.json` (`GenerationDefaults`): temperature, top_p, top_k, repetition_penalty, min_p
-  (the penalties OpenAI defines, frequency and presence, are 0 unless asked), and the new tokens
+  `generation_config.json` (`GenerationDefaults`): temperature, top_p, top_k, the penalties (repetition,
+  frequency, presence; off where the file has none), min_p, and the new tokens
   (`max_new_tokens`, else `max_length` minus the prompt, else `DEFAULT_MAX_TOKENS`), capped to the
   context left after the prompt. Asking for more tokens than fit is refused.
 
@@ -67,7 +67,7 @@ class SamplingOverrides:
     speculate: str = "off"
     draft_tokens: int = DEFAULT_DRAFT
     ignore_eos: bool = False  # no stop ids: generate until max_tokens (the API's vLLM extension)
-    # issue 24 (p2pk3/params.py): penalties (None: generation_config's repetition_penalty / min_p, else off),
+    # issue 24 (p2pk3/params.py): penalties (None: generation_config's value, off when it has none),
     # logit_bias as (id, bias) pairs, logprobs / prompt_logprobs (top N), grammar (a token mask)
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -193,8 +193,8 @@ class PromptBuilder:
             return default if v is None else float(v)
 
         extra = dict(
-            frequency_penalty=pick(asked.frequency_penalty, 0.0),
-            presence_penalty=pick(asked.presence_penalty, 0.0),
+            frequency_penalty=pick(asked.frequency_penalty, d.frequency_penalty),
+            presence_penalty=pick(asked.presence_penalty, d.presence_penalty),
             repetition_penalty=pick(asked.repetition_penalty, d.repetition_penalty),
             min_p=pick(asked.min_p, d.min_p),
             logit_bias=asked.logit_bias,

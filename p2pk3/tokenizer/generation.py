@@ -12,7 +12,10 @@ Fields are in the engine's terms (`p2pk3.engine.sampling.SamplingParams`): `temp
 * no `do_sample`: the file's temperature if it has one (as vLLM uses generation_config), else greedy;
 * `top_k` missing -> 0 (off; transformers would use 50 when sampling), `top_p` missing -> 1.0;
 * `repetition_penalty` (> 0, missing -> 1.0, off) and `min_p` (0..1, missing -> 0.0, off), as transformers
-  and vLLM read them (frequency / presence penalties are OpenAI's, not generation_config fields);
+  and vLLM read them;
+* `frequency_penalty` / `presence_penalty` (-2..2, missing -> 0.0, off): OpenAI's penalties over the output
+  only, a p2pk3 extension of the file (transformers and vLLM ignore the keys). Unlike `repetition_penalty`,
+  which also counts the prompt, they leave copying a name from the question alone (docs/quality.md);
 * `eos_token_id` may be an int or a list of ints; `max_new_tokens` / `max_length` are kept as given
   (max_length counts the prompt too, see `max_tokens`).
 """
@@ -35,6 +38,8 @@ class GenerationDefaults:
     top_k: int = 0
     repetition_penalty: float = 1.0
     min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
     max_new_tokens: int | None = None
     max_length: int | None = None
     eos_token_id: tuple[int, ...] = ()
@@ -98,12 +103,16 @@ def load_generation_defaults(model_dir: str | Path) -> GenerationDefaults:
     top_k = num("top_k", int, lambda v: v >= 0, "an int >= 0")
     rep = num("repetition_penalty", float, lambda v: v > 0, "a number > 0 (1.0: off)")
     min_p = num("min_p", float, lambda v: 0 <= v <= 1, "in [0, 1]")
+    freq = num("frequency_penalty", float, lambda v: -2 <= v <= 2, "in [-2, 2] (0: off)")
+    pres = num("presence_penalty", float, lambda v: -2 <= v <= 2, "in [-2, 2] (0: off)")
     return GenerationDefaults(
         temperature=temperature,
         top_p=1.0 if top_p is None else top_p,
         top_k=0 if top_k is None else top_k,
         repetition_penalty=1.0 if rep is None else rep,
         min_p=0.0 if min_p is None else min_p,
+        frequency_penalty=0.0 if freq is None else freq,
+        presence_penalty=0.0 if pres is None else pres,
         max_new_tokens=num("max_new_tokens", int, lambda v: v >= 0, "an int >= 0"),
         max_length=num("max_length", int, lambda v: v > 0, "an int > 0"),
         eos_token_id=_ids(cfg.get("eos_token_id"), str(p)),
