@@ -3,14 +3,15 @@
     python -m tools.tune_defaults --model p2pk3/assets/k3-docs --corpus runs/corpus --out runs/tune [--write]
         [--old runs/k3-docs-old]
 
-1. Choice. Each candidate (temperature, top_p, repetition_penalty, frequency_penalty) answers the 20 *validation* questions
-   (`doc_corpus.fixed_questions(split, "val", 20)`; sampled candidates with seeds 0..SEEDS-1). Per candidate:
-   the answers that loop and the mean word-overlap score (tools/eval_demo.py `overlap_score`). The choice:
-   the fewest looping answers; among those, the candidates within `SCORE_TIE` of the best score count as
-   equal, and of them a greedy one wins (the same answer every time), then the weaker repetition penalty,
-   then the weaker frequency penalty, then the higher score. The repetition penalty counts the prompt too, so
-   it also holds back the name a question asks about; the frequency penalty counts the answer only. Validation documents were never trained on, and the
-   held-out ones below are not looked at while choosing.
+1. Choice. Each candidate (temperature, top_p, repetition_penalty, frequency_penalty) answers the 20
+   *validation* questions (`doc_corpus.fixed_questions(split, "val", 20)`; sampled candidates with seeds
+   0..SEEDS-1). Per candidate: the answers that loop and the mean word-overlap score (tools/eval_demo.py
+   `overlap_score`). The choice: the fewest looping answers; among those, the candidates within `SCORE_TIE`
+   of the best score count as equal, and of them a greedy one wins (the same answer every time), then the
+   weaker repetition penalty, then the weaker frequency penalty, then the higher score. The repetition
+   penalty counts the prompt too, so it also holds back the name a question asks about; the frequency
+   penalty counts the answer only. Validation documents were never trained on, and the held-out ones below
+   are not looked at while choosing.
 2. `--write`: the model's generation_config.json gets the choice (`do_sample`, `temperature`, `top_p`,
    `repetition_penalty`, `frequency_penalty`; every front end applies them through p2pk3/frontends/prompt.py).
 3. Figures with the chosen defaults, through the front ends' prompt path (`PromptBuilder`): the 20 held-out
@@ -191,8 +192,9 @@ def choose(model: Answerer, val_qs) -> tuple[tuple, list[dict]]:
                 "score": statistics.mean(r["score"] for r in runs),
             }
         )
+        r = table[-1]
         print(
-            f"  T={temp} top_p={top_p} rep={rep} freq={freq}: loops {table[-1]['loops']:.1f}/20 score {table[-1]['score']:.3f}",
+            f"  T={temp} top_p={top_p} rep={rep} freq={freq}: loops {r['loops']:.1f}/20 score {r['score']:.3f}",
             flush=True,
         )
     fewest = min(r["loops"] for r in table)
