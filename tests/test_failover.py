@@ -30,15 +30,19 @@ def want(ckpt):
     return [ref.generate([p], SamplingParams(max_tokens=n))[0] for p, n in zip(PROMPTS, LENGTHS)]
 
 
-async def _sessions(ring, fault, *, after_tokens=8):
-    """Run the 8 sessions (staggered starts); call `fault()` once session 0 has streamed `after_tokens`."""
+async def _sessions(ring, fault, *, after_tokens=8, every_session=False, at_fault=None):
+    """Run the 8 sessions (staggered starts); call `fault()` once session 0 has streamed `after_tokens` (with
+    `every_session`: once every session has streamed one, so every client is connected). `at_fault`, a list,
+    receives each session's token count at the fault."""
     started = asyncio.Event()
     counts = [0] * len(PROMPTS)
 
     def on_token(i):
         def f(_t):
             counts[i] += 1
-            if i == 0 and counts[0] == after_tokens:
+            if every_session and all(counts):
+                started.set()
+            elif not every_session and i == 0 and counts[0] == after_tokens:
                 started.set()
 
         return f
@@ -57,6 +61,8 @@ async def _sessions(ring, fault, *, after_tokens=8):
     tasks = [asyncio.create_task(one(i)) for i in range(len(PROMPTS))]
     await asyncio.wait_for(started.wait(), 60)
     t_fault = time.time()
+    if at_fault is not None:
+        at_fault[:] = counts
     await fault()
     outs = await asyncio.wait_for(asyncio.gather(*tasks), DEADLINE)
     return outs, t_fault
@@ -147,19 +153,21 @@ def test_entry_never_heard_by_the_standby_is_taken_over_after_the_startup_grace(
 
         async def go():
             async def fault():
-                await asyncio.sleep(1.5)  # every client connected (a new client waits 10 s for an entry)
+                # every client is connected (a new one would wait only 10 s for an entry) and streaming
                 ring.signal("s0", signal.SIGKILL)
                 ring.spawn("s4")
 
-            outs, t = await _sessions(ring, fault)
+            outs, t = await _sessions(ring, fault, every_session=True, at_fault=at_fault)
             return outs, t, await ring.state()
 
+        at_fault: list[int] = []
         outs, t_fault, state = asyncio.run(go())
         print(
             f"\n[fault matrix] SIGKILL s0 (entry) before the standby started: every client resumed, "
             f"{time.time() - t_fault:.2f} s after the kill"
         )
         assert outs == want
+        assert any(c < n for c, n in zip(at_fault, LENGTHS)), at_fault  # some session resumed on the standby
         entry = [n for n in state["nodes"] if n["role"] == "entry"]
         assert entry and entry[0]["slot"] == "s0" and entry[0]["started_on"] == "s4", state
         assert "has not answered since this standby started" in ring.log_path("s4").read_text()
