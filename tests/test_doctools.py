@@ -156,6 +156,52 @@ def test_renamed_conversations_can_only_be_answered_by_copying_the_made_up_name(
         assert fake.startswith("Py") == name.startswith("Py")
 
 
+def test_unquoted_items_are_the_man_pages_and_modules_and_the_training_set_weights_them_up():
+    """agent.unquoted: the questions that name their subject without backticks (man pages, modules); the chat
+    set of tools/train_docs with --unquoted-copies has each of their tool conversations once more per copy, once
+    with the real name and once with a made-up one, and nothing else more."""
+    from tools import train_docs as td
+
+    unq = agent.unquoted(ITEMS)
+    assert [q for _, q, _, _ in unq] == [
+        "What is the json module?",
+        "What does the printf command do?",
+        "What does the printf() function do?",
+        "What does the fork() system call do?",
+        "What is the null device?",
+    ]
+    index = agent.doc_index(ITEMS)
+
+    class Tok:  # counts what is rendered: the conversations themselves, not token ids
+        def __init__(self):
+            self.seen = []
+
+    rendered = {}
+    real = td.conversation_example
+    try:
+        for n in (0, 2):
+            tok = Tok()
+            td.conversation_example = lambda tok, msgs, tools, _t=tok: _t.seen.append(msgs) or ([], [])
+            td.conversation_set(tok, ITEMS, index, 3, renamed=0, unquoted=n)
+            rendered[n] = [[m for m in msgs if m["role"] != "system"] for msgs in tok.seen]
+    finally:
+        td.conversation_example = real
+    asked = {n: [c[0]["content"] for c in rendered[n]] for n in rendered}
+    unquoted_qs = {it[1] for it in unq}
+    for kind, q, _, _ in ITEMS:
+        if agent.item_key(kind, q) is None:
+            continue
+        more = asked[2].count(q) - asked[0].count(q)
+        assert more == (2 if q in unquoted_qs else 0), q  # the real question: twice more, a quoted one never
+    known = {name for table in index.values() for name in table}
+    made_up = [c for c in rendered[2] if len(c) > 1 and c[1].get("tool_calls") and c[0]["content"] not in asked[0]]
+    assert len(made_up) == 2 * len(unq)  # a made-up-name call per unquoted item and copy, nothing else new
+    for c in made_up:
+        call = c[1]["tool_calls"][0]["function"]
+        name = json.loads(call["arguments"])["name"]
+        assert name not in known and name in c[0]["content"] and c[2]["content"].split("\n")[0].endswith(c[3]["content"])
+
+
 class ScriptedModel:
     """Stands in for the model's choices (which a test cannot make a small trained model take): the first
     generation of a turn is a tool call written in the checkpoint's own format, the second a plain answer.

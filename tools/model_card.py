@@ -71,6 +71,7 @@ _DEFAULTS = {
     "chat_batch": None,
     "chat_seq": None,
     "renamed_copies": 0,
+    "unquoted_copies": 0,
     "repeat_share": 0.0,
     "fresh_init": "train",
     "redraw": None,
@@ -84,7 +85,9 @@ def repeat_line(a: dict) -> str:
 
 def renamed_line(a: dict) -> str:
     n = a.get("renamed_copies") or 0
-    return f"; the tool conversations and self-naming answers {n}x again about made-up names" if n else ""
+    u = a.get("unquoted_copies") or 0
+    line = f"; the tool conversations and self-naming answers {n}x again about made-up names" if n else ""
+    return line + (f"; those about man pages and modules {u}x more, real and made-up names" if u else "")
 
 
 def budget_flags(a: dict) -> str:

@@ -23,7 +23,7 @@ rewritten every `--ckpt-minutes` and at each phase end; `--resume` continues fro
 and the run's own options, except: `--extend-to N` lengthens the current phase's schedule to N steps (the
 cosine stretched from the current step; a schedule of steps then, not of minutes), `--threads`, and the
 options of a phase not started yet (`--minutes`, `--chat-minutes`, `--chat-steps`, `--chat-lr`,
-`--chat-batch`, `--chat-seq`, `--renamed-copies`).
+`--chat-batch`, `--chat-seq`, `--renamed-copies`, `--unquoted-copies`).
 Outputs: train.log, loss.png, metrics.json, master.pt (fp32 masters, canonical names), the export + model card.
 
 Speed: the KDA prefill reference runs with 16-token chunks here (`kda_ref.CHUNK`; any chunk is the same
@@ -67,8 +67,8 @@ from tools.trainlib.runlog import log  # noqa: E402
 from tools.trainlib.warm_start import export_config, load_export, upgrade_tokenizer  # noqa: E402
 
 TRAIN_CHUNK = 16
-CHAT_OPTIONS = ("chat_steps", "chat_lr", "chat_batch", "chat_seq", "renamed_copies")  # given on --resume before
-# the chat phase has started: they win over the run's own
+# given on --resume before the chat phase has started: they win over the run's own
+CHAT_OPTIONS = ("chat_steps", "chat_lr", "chat_batch", "chat_seq", "renamed_copies", "unquoted_copies")
 VAL_CHAT_ROWS = 64  # validation answer loss over the first 64 packed rows (a fixed set; ~30 s)
 SYSTEM_PROMPT = "You are a helpful assistant that knows the Python documentation and the Linux manual pages."
 QUESTION_SYSTEM_RATE = 0.3  # fraction of chat examples rendered with the system prompt (the REPL sends none)
@@ -136,10 +136,14 @@ def chat_set(tok, pairs, seed: int) -> list[tuple[list[int], list[int]]]:
     ]
 
 
-def conversation_set(tok, items, index: dict, seed: int, renamed: int = 0) -> list[tuple[list[int], list[int]]]:
+def conversation_set(
+    tok, items, index: dict, seed: int, renamed: int = 0, unquoted: int = 0
+) -> list[tuple[list[int], list[int]]]:
     """Tool conversations, multi-turn conversations, reworded questions and the same about made-up names
     (tools/doc_corpus/agent.py); `renamed`: how many times the made-up-name set, each with other names (0: none;
-    2 made it ~40 % of the chat set in the fourth run, which did worse: docs/quality.md)."""
+    2 made it ~40 % of the chat set in the fourth run, which did worse: docs/quality.md); `unquoted`: how many
+    times more the tool conversations about man pages and modules (agent.unquoted), each time with real names and
+    with new made-up ones."""
     from p2pk3.agent.doctools import DocTools
     from tools.doc_corpus import agent
 
@@ -147,6 +151,10 @@ def conversation_set(tok, items, index: dict, seed: int, renamed: int = 0) -> li
     convs = agent.tool_conversations(items, DocTools(index), seed) + agent.multi_turn(items, seed)
     convs += agent.paraphrased(items, seed)
     convs += [c for k in range(renamed) for c in agent.renamed(items, DocTools(index), seed + k)]
+    few = agent.unquoted(items)
+    for k in range(unquoted):
+        convs += agent.tool_conversations(few, DocTools(index), seed + 100 + k)
+        convs += agent.renamed(few, DocTools(index), seed + 200 + k)
     out = []
     for msgs, tools in convs:
         if rng.random() < QUESTION_SYSTEM_RATE:
@@ -159,7 +167,15 @@ class Data:
     """Every split's token streams and chat rows, built once per run (and rebuilt identically on resume)."""
 
     def __init__(
-        self, run: Path, vocab: int, T: int, corpus: str | None, chat_T: int, init_from: str | None, renamed: int = 0
+        self,
+        run: Path,
+        vocab: int,
+        T: int,
+        corpus: str | None,
+        chat_T: int,
+        init_from: str | None,
+        renamed: int = 0,
+        unquoted: int = 0,
     ):
         from p2pk3.tokenizer import load_tokenizer
         from p2pk3.tokenizer.bpe import save_hf, train_bpe
@@ -182,7 +198,7 @@ class Data:
         (run / "doc_index.json").write_text(json.dumps(self.index, ensure_ascii=False))  # shipped by export
         self.chat = {
             k: pack_rows(
-                chat_set(tok, self.pairs[k], 1) + conversation_set(tok, items[k], self.index, 3, renamed),
+                chat_set(tok, self.pairs[k], 1) + conversation_set(tok, items[k], self.index, 3, renamed, unquoted),
                 chat_T,
                 tok.pad_id,
                 2,
@@ -299,7 +315,8 @@ def train(a) -> int:
             raise SystemExit(f"{flags}: the run's chat phase has started with its own; resume without them")
         keep.update({k: getattr(a, k) for k in given})  # the chat phase is still to come: these win
         a = argparse.Namespace(**{**vars(a), **ck["args"], **keep})  # options newer than the run: defaults
-    for k, v in (("minutes", 75.0), ("chat_minutes", 15.0), ("threads", 2), ("chat_lr", 1e-3), ("renamed_copies", 0)):
+    defaults = (("minutes", 75.0), ("chat_minutes", 15.0), ("threads", 2), ("chat_lr", 1e-3))
+    for k, v in defaults + (("renamed_copies", 0), ("unquoted_copies", 0)):
         if getattr(a, k) is None:
             setattr(a, k, v)
     fh = open(run / "train.log", "a" if ck else "w")
@@ -309,7 +326,7 @@ def train(a) -> int:
     B, T = a.batch, a.seq
     t0 = time.time()
     CB, CT = a.chat_batch or B, a.chat_seq or T
-    data = Data(run, a.vocab, T, a.corpus, CT, a.init_from, getattr(a, "renamed_copies", 0))
+    data = Data(run, a.vocab, T, a.corpus, CT, a.init_from, a.renamed_copies, a.unquoted_copies)
     tok = data.tok
     log(
         f"data ({time.time() - t0:.0f} s): documents "
@@ -617,6 +634,13 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=None,
         help="chat phase: add the conversations about made-up names (doc_corpus.agent.renamed) this many times",
+    )
+    ap.add_argument(
+        "--unquoted-copies",
+        type=int,
+        default=None,
+        help="chat phase: add the tool conversations about man pages and modules (names the question does not "
+        "quote) this many times more, with real and with made-up names",
     )
     ap.add_argument(
         "--repeat-share",

@@ -5,6 +5,7 @@
     multi_turn(items, seed)                          # [(messages, None)]: 2-3 questions on one document
     paraphrased(items, seed)                         # [(messages, None)]: the same answers, other wordings
     renamed(items, DocTools(index), seed)            # [(messages, tools)]: the same, about a made-up name
+    unquoted(items)                                  # the items about a name the question does not quote
 
 `items` are `qa._qa_items` rows (kind, question, answer, document). Every conversation ends with an
 assistant turn; the loss of tools/train_docs.py is on the assistant turns only. A tool conversation declares
@@ -38,6 +39,13 @@ def item_key(kind: str, q: str) -> tuple[str, str] | None:
         return ("man_page", next(g for g in m.groups() if g)) if m else None
     m = re.search(r"`([^`]+)`", q) or _MOD_Q.match(q)
     return ("python_doc", m.group(1)) if m else None
+
+
+def unquoted(items) -> list:
+    """The items a tool answers whose question does not quote the name in backticks: man pages ("the ctan()
+    function", "What is FILE?") and modules ("the base64 module"). They are 14 % of the keyed training items and
+    half the tool prompts of tools/tune_defaults; the call's argument has no backtick to end it (docs/quality.md)."""
+    return [it for it in items if (k := item_key(it[0], it[1])) and f"`{k[1]}`" not in it[1]]
 
 
 def doc_index(items) -> dict[str, dict[str, str]]:
