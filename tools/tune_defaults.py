@@ -17,7 +17,9 @@
 3. Figures with the chosen defaults, through the front ends' prompt path (`PromptBuilder`): the 20 held-out
    questions (loops, score, each answer), the README's scripted question, and 20 held-out tool prompts
    (both tools declared, no grammar): the share whose output parses (p2pk3/agent/toolcalls.py) to a call of
-   the right tool, and of those the share with the right `name` argument. `--old`: the same for another model
+   the right tool, the share with exactly the right `name` argument, and the share whose call, run through
+   the model's own tools (`DocTools`, which forgives spaces, backticks and case), returns the right entry:
+   what an agent gets. `--old`: the same for another model
    (the one this replaces), with its own defaults.
 
 A loop: a non-empty line that occurs 3 times, or a run of 6 tokens that occurs 3 times, in one answer.
@@ -146,19 +148,21 @@ def tool_prompts(split_docs: dict[str, str], n: int = 20) -> list[tuple[str, str
 
 
 def score_tools(model: Answerer, prompts) -> dict:
-    from p2pk3.agent.doctools import SCHEMAS
+    from p2pk3.agent.doctools import SCHEMAS, DocTools
     from p2pk3.agent.toolcalls import discover_tool_format, parse_tool_calls
 
     tok = model.prompts.tok
     fmt = discover_tool_format(tok.special, "\n".join(src for src, _ in tok.templates.values()))
     if not fmt:
-        return {"right_tool": 0.0, "right_name": 0.0, "rows": [], "note": fmt.reason}
+        return {"right_tool": 0.0, "right_name": 0.0, "right_doc": 0.0, "rows": [], "note": fmt.reason}
     got = model.answers([[{"role": "user", "content": q}] for q, _, _ in prompts], seed=0, tools=SCHEMAS, keep=True)
     rows = []
+    docs = DocTools.load(model.dir)
     for (q, tool, name), (text, _) in zip(prompts, got):
         calls = parse_tool_calls(text, fmt, SCHEMAS).tool_calls
         names = [c["function"]["name"] for c in calls]
         args = [json.loads(c["function"]["arguments"]).get("name") for c in calls if c["function"]["name"] == tool]
+        want = docs.lookup(tool, name)
         rows.append(
             {
                 "prompt": q,
@@ -167,12 +171,14 @@ def score_tools(model: Answerer, prompts) -> dict:
                 "output": text,
                 "right_tool": tool in names,
                 "right_name": name in args,
+                "right_doc": any(isinstance(x, str) and docs.lookup(tool, x) == want for x in args),
             }
         )
     n = max(1, len(rows))
     return {
         "right_tool": sum(r["right_tool"] for r in rows) / n,
         "right_name": sum(r["right_name"] for r in rows) / n,
+        "right_doc": sum(r["right_doc"] for r in rows) / n,
         "rows": rows,
     }
 
@@ -250,13 +256,13 @@ def markdown(res: dict) -> str:
     out += [
         "",
         "| model | held-out answers that loop (of 20) | held-out word-overlap | tool prompts: right tool |"
-        " right name |",
-        "|---|---|---|---|---|",
+        " right name | call finds the entry |",
+        "|---|---|---|---|---|---|",
     ]
     for name, f in res["models"].items():
         out.append(
             f"| {name} | {f['heldout']['loops']} | {f['heldout']['score']:.3f} | "
-            f"{f['tools']['right_tool']:.0%} | {f['tools']['right_name']:.0%} |"
+            f"{f['tools']['right_tool']:.0%} | {f['tools']['right_name']:.0%} | {f['tools']['right_doc']:.0%} |"
         )
     for name, f in res["models"].items():
         out += [
@@ -305,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, f in res["models"].items():
         print(
             f"{name}: held-out loops {f['heldout']['loops']}/20, score {f['heldout']['score']:.3f}, "
-            f"tool calls right {f['tools']['right_tool']:.0%} (name {f['tools']['right_name']:.0%})"
+            f"tool calls right {f['tools']['right_tool']:.0%} (name {f['tools']['right_name']:.0%}, "
+            f"finds the entry {f['tools']['right_doc']:.0%})"
         )
     return 0
 
