@@ -90,6 +90,20 @@ def renamed_line(a: dict) -> str:
     return line + (f"; those about man pages and modules {u}x more, real and made-up names" if u else "")
 
 
+def phase1_line(a: dict, tr: dict) -> str:
+    """Phase 1 of the card's training paragraph; a run of one step continues the previous run's chat phase."""
+    n = tr["steps"]["pretrain"]
+    if n <= 1:
+        return (
+            f"Phase 1: none ({n} step at lr {a['lr']:g}, which changes nothing: this run is a chat phase "
+            "continuing the previous run)."
+        )
+    return (
+        f"Phase 1: {n} AdamW steps of {a['batch']} x {a['seq']}\ntokens of text{repeat_line(a)} (warmup + cosine, "
+        f"peak lr {a['lr']:g}, weight decay {a['wd']:g}), {tr['minutes']['pretrain']:.0f} min."
+    )
+
+
 def budget_flags(a: dict) -> str:
     """The training options of a run (its `args`) as train_docs flags: the time budgets, and the steps,
     learning rates, warmup, chat rows, made-up-name copies, copy-task rows, a fresh run's init variant and a warm
@@ -184,11 +198,10 @@ CPython's `pydoc_data.topics`, which overlaps the language-reference part of the
 `python -m tools.train_docs {budget_flags(a)} --run runs/k3-docs --export p2pk3/assets/k3-docs{
         f" --init-from {warm}" if warm else ""}`
 (seed {a["seed"]}, resumable with `--resume`){
-        f"; warm-started from the previous export ({earlier['text_tokens'] / 1e6:.2f}M tokens of text and "
+        f"; warm-started from the previous run's weights ({earlier['text_tokens'] / 1e6:.2f}M tokens of text and "
         f"{earlier['chat_tokens'] / 1e6:.2f}M of chat rows in {earlier['runs']} runs, {earlier['minutes']} min; "
         f"`{lineage.FILE}` lists every run)" if warm else ""
-    }. Phase 1: {tr["steps"]["pretrain"]} AdamW steps of {a["batch"]} x {a["seq"]}
-tokens of text{repeat_line(a)} (warmup + cosine, peak lr {a["lr"]:g}, weight decay {a["wd"]:g}), {tr["minutes"]["pretrain"]:.0f} min.
+    }. {phase1_line(a, tr)}
 Phase 2: {tr["steps"]["chat"]} steps of {a.get("chat_batch") or a["batch"]} x {a.get("chat_seq") or a["seq"]} tokens on
 {m["chat_pairs_train"]} question/answer pairs built from the train documents (a defined name or heading -> "What does X
 do?" / "What is X?", its first paragraph -> the answer), the same questions reworded, 2-3 questions on one document as
@@ -210,6 +223,9 @@ gradient); router correction bias set by quantile balancing (no aux loss). {a["t
 The comparison with the previous demo model (bits per byte: the tokenizers differ) is in docs/quality.md.
 
 ## Questions (greedy, up to 64 tokens; score = fraction of the answer's content words found in the reference paragraph)
+
+Plain greedy decoding without the shipped penalties, so the loops they hold back show here; the held-out
+answers with the shipped defaults are in docs/quality.md.
 
 | | question | answer | score |
 |---|---|---|---|
