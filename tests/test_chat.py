@@ -35,15 +35,20 @@ def tok():
 
 
 def greedy_answer(ring, tok, messages, max_tokens):
-    """The answer the chat should print: greedy with the checkpoint's own repetition penalty (its
-    generation_config default, which the chat applies too)."""
-    rep = tok.generation_defaults.repetition_penalty
+    """The answer the chat should print: greedy with the checkpoint's own repetition, frequency and presence
+    penalties (its generation_config defaults, which the chat applies too)."""
+    d = tok.generation_defaults
+    pen = dict(
+        repetition_penalty=d.repetition_penalty,
+        frequency_penalty=d.frequency_penalty,
+        presence_penalty=d.presence_penalty,
+    )
 
     async def go():
         c = await ring.client()
         try:
             ids = tok.apply_chat_template(messages, add_generation_prompt=True)
-            params = SamplingParams(max_tokens=max_tokens, stop_ids=tok.stop_ids, repetition_penalty=rep)
+            params = SamplingParams(max_tokens=max_tokens, stop_ids=tok.stop_ids, **pen)
             return await c.generate(ids, params)
         finally:
             c.close()
