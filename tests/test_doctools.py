@@ -156,7 +156,7 @@ def test_renamed_conversations_can_only_be_answered_by_copying_the_made_up_name(
         assert fake.startswith("Py") == name.startswith("Py")
 
 
-def test_unquoted_items_are_the_man_pages_and_modules_and_the_training_set_weights_them_up():
+def test_unquoted_items_are_the_man_pages_and_modules_and_the_training_set_weights_them_up(monkeypatch):
     """agent.unquoted: the questions that name their subject without backticks (man pages, modules); the chat
     set of tools/train_docs with --unquoted-copies has each of their tool conversations once more per copy, once
     with the real name and once with a made-up one, and nothing else more."""
@@ -172,20 +172,13 @@ def test_unquoted_items_are_the_man_pages_and_modules_and_the_training_set_weigh
     ]
     index = agent.doc_index(ITEMS)
 
-    class Tok:  # counts what is rendered: the conversations themselves, not token ids
-        def __init__(self):
-            self.seen = []
-
+    seen: list[list[dict]] = []  # what is rendered: the conversations themselves, not token ids
+    monkeypatch.setattr(td, "conversation_example", lambda tok, msgs, tools: seen.append(msgs) or ([], []))
     rendered = {}
-    real = td.conversation_example
-    try:
-        for n in (0, 2):
-            tok = Tok()
-            td.conversation_example = lambda tok, msgs, tools, _t=tok: _t.seen.append(msgs) or ([], [])
-            td.conversation_set(tok, ITEMS, index, 3, renamed=0, unquoted=n)
-            rendered[n] = [[m for m in msgs if m["role"] != "system"] for msgs in tok.seen]
-    finally:
-        td.conversation_example = real
+    for n in (0, 2):
+        seen.clear()
+        td.conversation_set(None, ITEMS, index, 3, renamed=0, unquoted=n)
+        rendered[n] = [[m for m in msgs if m["role"] != "system"] for msgs in seen]
     asked = {n: [c[0]["content"] for c in rendered[n]] for n in rendered}
     unquoted_qs = {it[1] for it in unq}
     for kind, q, _, _ in ITEMS:

@@ -95,7 +95,7 @@ def phase1_line(a: dict, tr: dict) -> str:
     n = tr["steps"]["pretrain"]
     if n <= 1:
         return (
-            f"Phase 1: none ({n} step at lr {a['lr']:g}, which changes nothing: this run is a chat phase "
+            f"Phase 1: none ({n} step at lr {a['lr']:g}, next to no change: this run is a chat phase "
             "continuing the previous run)."
         )
     return (

@@ -315,8 +315,15 @@ def train(a) -> int:
             raise SystemExit(f"{flags}: the run's chat phase has started with its own; resume without them")
         keep.update({k: getattr(a, k) for k in given})  # the chat phase is still to come: these win
         a = argparse.Namespace(**{**vars(a), **ck["args"], **keep})  # options newer than the run: defaults
-    defaults = (("minutes", 75.0), ("chat_minutes", 15.0), ("threads", 2), ("chat_lr", 1e-3))
-    for k, v in defaults + (("renamed_copies", 0), ("unquoted_copies", 0)):
+    defaults = {
+        "minutes": 75.0,
+        "chat_minutes": 15.0,
+        "threads": 2,
+        "chat_lr": 1e-3,
+        "renamed_copies": 0,
+        "unquoted_copies": 0,
+    }
+    for k, v in defaults.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
     fh = open(run / "train.log", "a" if ck else "w")
